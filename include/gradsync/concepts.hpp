@@ -1,0 +1,142 @@
+#pragma once
+// The four policy families a Synchronizer is built from. Each concept below is the whole contract
+// of its family; every shipped policy ends its header with a static_assert against it, and a type
+// that does not satisfy one is rejected where the Synchronizer is named, with the concept's name
+// in the compiler's message.
+//
+// Policies are plain values: configuration lives in their fields and is printed by describe(),
+// which the Synchronizer compares across ranks at the first synchronization.
+
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "gradsync/error.hpp"
+#include "gradsync/plan.hpp"
+#include "gradsync/schedule.hpp"
+#include "gradsync/types.hpp"
+
+namespace gradsync {
+
+// ---------------------------------------------------------------------------------------------
+// BucketingPolicy: which gradients travel together, in what order.
+//
+//   initial_plan(layout)      the plan for the first iteration, from the registered layout alone.
+//   agreement_due(iteration)  true when, after `iteration` (0-based) completes, the ranks should
+//                             agree on a new plan. Must give the same answer on every rank for the
+//                             same iteration: it decides whether a collective round happens.
+//   end_iteration(profile)    called after every iteration with this rank's ready times; may
+//                             return a proposed plan. When agreement is due, rank 0's proposal (or
+//                             the current plan, if it has none) is installed on every rank before
+//                             the next iteration, so membership never differs between ranks.
+//   expected_ready(bucket)    optional time (since the first ready() of the iteration) by which
+//                             the bucket is expected to be complete. The Synchronizer's thread
+//                             sets a timer for it and calls
+//   on_late(bucket, now)      when that time passes with the bucket still incomplete, so a
+//                             timing-driven policy sees drift as it happens, not only afterwards.
+//
+// All calls come from the Synchronizer's communication thread; policies need no locking.
+template <class B>
+concept BucketingPolicy = std::copyable<B> &&
+    requires(B& b, const B& cb, const Layout& layout, const ReadyProfile& profile, std::uint64_t iteration,
+             std::size_t bucket, Duration now) {
+      { cb.describe() } -> std::convertible_to<std::string>;
+      { b.initial_plan(layout) } -> std::same_as<BucketPlan>;
+      { cb.agreement_due(iteration) } -> std::same_as<bool>;
+      { b.end_iteration(profile) } -> std::same_as<std::optional<BucketPlan>>;
+      { cb.expected_ready(bucket) } -> std::same_as<std::optional<Duration>>;
+      b.on_late(bucket, now);
+    };
+
+// ---------------------------------------------------------------------------------------------
+// How decode() combines decoded values with what the destination already holds.
+enum class DecodeMode : std::uint8_t { overwrite, add };
+
+// CompressionPolicy: a codec for contiguous runs of f32 or f64 values.
+//
+//   State                     per-site state (an error-feedback residual, a random stream);
+//                             make_state(n) builds it for a site that encodes n values. Stateless
+//                             codecs use an empty struct. The Synchronizer keeps one per encode
+//                             site and never shares it between sites.
+//   identity                  encoded bytes are the values themselves (no work to encode/decode;
+//                             schedules send and receive in place).
+//   lossless                  decode(encode(x)) == x bit for bit.
+//   summable                  encoded data can be added without decoding first.
+//   max_encoded_bytes(n, t)   an upper bound for n values of accumulation dtype t; buffers are
+//                             sized with it once, when the plan is made.
+//   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
+//   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
+//                             out.size() values are an Error (protocol), never a crash.
+template <class C>
+concept CompressionPolicy = std::copyable<C> &&
+    requires(const C& c, typename C::State& state, std::size_t n, DType dtype, std::span<const float> f32_in,
+             std::span<const double> f64_in, std::span<float> f32_out, std::span<double> f64_out,
+             std::span<std::byte> encoded_out, std::span<const std::byte> encoded_in) {
+      typename C::State;
+      { C::identity } -> std::convertible_to<bool>;
+      { C::lossless } -> std::convertible_to<bool>;
+      { C::summable } -> std::convertible_to<bool>;
+      { c.describe() } -> std::convertible_to<std::string>;
+      { c.make_state(n) } -> std::same_as<typename C::State>;
+      { c.max_encoded_bytes(n, dtype) } -> std::same_as<std::size_t>;
+      { c.encode(f32_in, state, encoded_out) } -> std::same_as<std::size_t>;
+      { c.encode(f64_in, state, encoded_out) } -> std::same_as<std::size_t>;
+      c.decode(encoded_in, f32_out, DecodeMode::add);
+      c.decode(encoded_in, f64_out, DecodeMode::overwrite);
+    };
+
+template <CompressionPolicy C>
+constexpr CodecTraits codec_traits() noexcept {
+  return {.identity = C::identity, .summable = C::summable};
+}
+
+// ---------------------------------------------------------------------------------------------
+// TopologyPolicy: how a group allreduces one bucket.
+//
+//   schedule(group, elements, codec)  the steps this rank runs to leave the group's average of a
+//                             bucket of `elements` values in place, given what the codec allows
+//                             (see schedule.hpp). Must be a pure function of its arguments and the
+//                             policy's fields: each rank computes its own list, and the lists must
+//                             pair every send with exactly one receive.
+template <class T>
+concept TopologyPolicy = std::copyable<T> &&
+    requires(const T& t, const Group& group, std::size_t elements, CodecTraits codec) {
+      { t.describe() } -> std::convertible_to<std::string>;
+      { t.schedule(group, elements, codec) } -> std::same_as<Schedule>;
+    };
+
+// ---------------------------------------------------------------------------------------------
+// TransportPolicy: moves bytes between ranks; full duplex, tagged, non-blocking.
+//
+//   Request                   caller-owned record of one operation; it and the buffer it names
+//                             must stay put until the operation completes or fails.
+//   send(req, peer, tag, bytes) / recv(req, peer, tag, bytes)
+//                             start an operation and return at once. A send matches the earliest
+//                             receive posted by `peer` with the same tag; a message longer than
+//                             the receive buffer is an Error on both sides.
+//   test(req)                 true once complete; throws the operation's Error if it failed.
+//   wait(req, deadline)       blocks until complete and returns the bytes transferred; past the
+//                             deadline it withdraws the operation and throws Error(timeout).
+//   abort(error)              fails every pending operation of this rank and makes every rank
+//                             that depends on it fail fast with an Error that names this rank.
+template <class X>
+concept TransportPolicy = std::movable<X> &&
+    requires(X& x, const X& cx, typename X::Request& req, int peer, std::uint64_t tag,
+             std::span<const std::byte> out, std::span<std::byte> in,
+             std::chrono::steady_clock::time_point deadline, const Error& error) {
+      requires std::default_initializable<typename X::Request>;
+      { cx.rank() } -> std::same_as<int>;
+      { cx.size() } -> std::same_as<int>;
+      { cx.describe() } -> std::convertible_to<std::string>;
+      x.send(req, peer, tag, out);
+      x.recv(req, peer, tag, in);
+      { x.test(req) } -> std::same_as<bool>;
+      { x.wait(req, deadline) } -> std::same_as<std::size_t>;
+      x.abort(error);
+    };
+
+}  // namespace gradsync

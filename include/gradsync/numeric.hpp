@@ -1,0 +1,84 @@
+#pragma once
+// Per-element arithmetic shared by the CPU path and the CUDA kernels: written once as
+// host/device functions so that both run exactly the same rounding, and the CPU tests that CI
+// runs vouch for the GPU as well.
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define GRADSYNC_HD __host__ __device__ __forceinline__
+#else
+#define GRADSYNC_HD inline
+#endif
+
+namespace gradsync::numeric {
+
+GRADSYNC_HD std::uint32_t bits_of(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+GRADSYNC_HD float float_of(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// IEEE binary16, round to nearest even; overflow goes to infinity, NaN stays NaN.
+GRADSYNC_HD std::uint16_t f16_bits(float value) {
+  std::uint32_t x = bits_of(value);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
+  if (x >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (x < 0x38800000u) {                                                    // below 2^-14: subnormal
+    if (x < 0x33000000u) return static_cast<std::uint16_t>(sign);            // below 2^-25: zero
+    const std::uint32_t exponent = x >> 23;
+    const std::uint32_t mantissa = (x & 0x7fffffu) | 0x800000u;
+    const std::uint32_t shift = 126u - exponent;  // 14..24: value / 2^-24 = mantissa >> shift
+    std::uint32_t half = mantissa >> shift;
+    const std::uint32_t rest = mantissa & ((1u << shift) - 1u);
+    const std::uint32_t halfway = 1u << (shift - 1u);
+    if (rest > halfway || (rest == halfway && (half & 1u))) ++half;
+    return static_cast<std::uint16_t>(sign | half);
+  }
+  const std::uint32_t rebiased = x - 0x38000000u;  // exponent bias 127 -> 15
+  std::uint32_t half = rebiased >> 13;
+  const std::uint32_t rest = rebiased & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;  // a carry into the exponent is right
+  return static_cast<std::uint16_t>(sign | half);
+}
+
+GRADSYNC_HD float from_f16_bits(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exponent = (h >> 10) & 0x1fu;
+  const std::uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return float_of(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // exact: 2^-24 steps
+    return sign ? -magnitude : magnitude;
+  }
+  return float_of(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+// bfloat16 (the top half of an f32), round to nearest even; NaN is kept quiet.
+GRADSYNC_HD std::uint16_t bf16_bits(float value) {
+  const std::uint32_t x = bits_of(value);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);
+  const std::uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<std::uint16_t>((x + rounding) >> 16);
+}
+
+GRADSYNC_HD float from_bf16_bits(std::uint16_t b) { return float_of(static_cast<std::uint32_t>(b) << 16); }
+
+}  // namespace gradsync::numeric

@@ -1,0 +1,54 @@
+#pragma once
+// What a topology produces: the steps one rank performs to allreduce one bucket, as a list in an
+// order that respects their dependencies. An executor runs the list; a step that needs a message
+// waits for the receive that fills it, and every other dependency is met by list order.
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "gradsync/types.hpp"
+
+namespace gradsync {
+
+// The ranks taking part in a collective. `members` are transport ranks; `rank` indexes members.
+struct Group {
+  int rank = 0;
+  std::vector<int> members;
+
+  int size() const noexcept { return static_cast<int>(members.size()); }
+  static Group world(int rank, int size);
+};
+
+// What a schedule needs to know about the codec it will run with.
+struct CodecTraits {
+  bool identity = false;  // encoded bytes are the values themselves: send and receive in place
+  bool summable = false;  // encoded data may be added without decoding
+};
+
+inline constexpr std::uint32_t no_slot = std::numeric_limits<std::uint32_t>::max();
+inline constexpr std::uint32_t no_step = std::numeric_limits<std::uint32_t>::max();
+
+struct Step {
+  enum class Op : std::uint8_t {
+    send,         // post a send of `slot` (or of `range` in place) to `peer`
+    recv,         // post a receive from `peer` into `slot` (or into `range` in place)
+    encode,       // encode `range` into `slot`
+    decode_add,   // range += decode(slot)
+    decode_copy,  // range = decode(slot)
+    average,      // range /= group size
+  };
+  Op op = Op::send;
+  int peer = -1;                  // group index of the peer for send/recv
+  std::uint32_t message = 0;      // matches a send to its receive; equal on both sides
+  ElemRange range;                // elements of the bucket this step concerns
+  std::uint32_t slot = no_slot;   // scratch holding the encoded form of `range`; no_slot = in place
+  std::uint32_t after = no_step;  // an earlier send or recv that must have completed first
+};
+
+struct Schedule {
+  std::vector<Step> steps;
+  std::vector<std::size_t> slot_elements;  // elements whose encoding each slot must hold
+};
+
+}  // namespace gradsync

@@ -1,0 +1,509 @@
+#pragma once
+// Synchronizer<Bucketing, Compression, Topology, Transport> — where the four policies meet.
+//
+// The life of an iteration:
+//   ready(id)   from any thread, as backward produces gradient `id`. When the last gradient of a
+//               bucket arrives, the communication thread is woken.
+//   the communication thread takes buckets strictly in plan order (the same on every rank, which
+//               is what keeps ranks from waiting on each other crosswise), copies the bucket's
+//               gradients into its flat buffer, runs the topology's schedule with the codec over
+//               the transport, and writes the averages back -- while backward goes on.
+//   wait()      returns once every bucket is done, and readies the next iteration.
+//
+// At the first synchronization the ranks exchange their layouts and policy settings, and stop
+// with an Error on every rank if anything differs. Plans proposed by the bucketing policy are
+// agreed (rank 0's wins) at iteration boundaries. Buffers are sized whenever a plan is installed;
+// ready(), the exchange and wait() allocate nothing.
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/detail/convert.hpp"
+#include "gradsync/detail/layout_check.hpp"
+#include "gradsync/engine/serial_executor.hpp"
+#include "gradsync/options.hpp"
+
+namespace gradsync {
+
+template <BucketingPolicy B, CompressionPolicy C, TopologyPolicy T, TransportPolicy X>
+class Synchronizer {
+ public:
+  using Bucketing = B;
+  using Compression = C;
+  using Topology = T;
+  using Transport = X;
+
+  explicit Synchronizer(X transport, Options options = {}, B bucketing = {}, C codec = {}, T topology = {})
+      : transport_(std::move(transport)),
+        options_(options),
+        bucketing_(std::move(bucketing)),
+        codec_(std::move(codec)),
+        topology_(std::move(topology)),
+        group_(Group::world(transport_.rank(), transport_.size())) {}
+
+  Synchronizer(const Synchronizer&) = delete;
+  Synchronizer& operator=(const Synchronizer&) = delete;
+
+  // Stops the communication thread. Destroyed in the middle of an iteration, it aborts the
+  // transport so that the other ranks fail fast instead of waiting for it.
+  ~Synchronizer() {
+    if (!thread_.joinable()) return;
+    bool mid_iteration;
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+      mid_iteration = !error_ && (!idle_ || (order_size_.load() > 0 && !done_));
+    }
+    if (mid_iteration)
+      transport_.abort(Error(ErrorKind::peer_failed, here("shutdown"),
+                             fmt::format("the Synchronizer was destroyed during iteration {}", iteration_.load())));
+    work_cv_.notify_all();
+    thread_.join();
+  }
+
+  // Registers a gradient; ids are given out in order from 0. Every rank must register the same
+  // gradients (name, size, dtype) in the same order, before its first ready() or wait().
+  GradId add(std::string name, TensorView gradient) {
+    if (frozen_.load())
+      throw Error(ErrorKind::invalid_argument, here("add"),
+                  fmt::format("add({:?}) after the first ready() or wait(): register every gradient first", name));
+    if (gradient.device != Device::cpu())
+      throw Error(ErrorKind::unsupported, here("add"),
+                  fmt::format("gradient {:?} is on {}; this build synchronizes CPU memory only", name,
+                              to_string(gradient.device)));
+    if (gradient.data == nullptr && gradient.count != 0)
+      throw Error(ErrorKind::invalid_argument, here("add"), fmt::format("gradient {:?} has no memory", name));
+    layout_.push_back({std::move(name), gradient.count, gradient.dtype, gradient.device});
+    views_.push_back(gradient);
+    return static_cast<GradId>(layout_.size() - 1);
+  }
+
+  // Marks gradient `id` as holding this iteration's local value. Thread-safe; allocation-free.
+  void ready(GradId id) {
+    if (failed_.load(std::memory_order_acquire)) rethrow();
+    freeze();
+    if (id >= layout_.size())
+      throw Error(ErrorKind::invalid_argument, here("ready"),
+                  fmt::format("no gradient has id {} ({} registered)", id, layout_.size()));
+    if (marked_[id].exchange(true, std::memory_order_acq_rel))
+      throw Error(ErrorKind::invalid_argument, here("ready", slots_[id].bucket),
+                  fmt::format("gradient {:?} (id {}) was marked ready twice in iteration {}; call wait() before "
+                              "starting the next iteration",
+                              layout_[id].name, id, iteration_.load()));
+    const auto now = std::chrono::steady_clock::now();
+    ready_at_[id] = now;
+    std::int64_t none = 0;
+    first_ready_.compare_exchange_strong(none, now.time_since_epoch().count());
+    const std::uint32_t position = order_size_.fetch_add(1, std::memory_order_acq_rel);
+    order_[position] = id;
+    const bool bucket_complete = pending_[slots_[id].bucket].fetch_sub(1, std::memory_order_acq_rel) == 1;
+    if (bucket_complete || position == 0) {  // the first ready() arms bucketing timers
+      std::lock_guard lock(mutex_);
+      work_cv_.notify_all();
+    }
+  }
+
+  // Blocks until every gradient holds the average over all ranks, then readies the next
+  // iteration. Throws the Error that stopped synchronization, on this rank or another.
+  void wait() {
+    freeze();
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + options_.timeout;
+    std::unique_lock lock(mutex_);
+    bool past_deadline = false;
+    for (;;) {
+      if (error_) throw *error_;
+      if (done_) break;
+      if (past_deadline) {
+        // Every gradient was marked ready: the exchange's own timeouts will end this wait.
+        done_cv_.wait(lock);
+      } else if (done_cv_.wait_until(lock, deadline) == std::cv_status::timeout && !done_ && !error_) {
+        past_deadline = true;
+        if (order_size_.load() < layout_.size()) {
+          Error e = never_ready_error();
+          lock.unlock();
+          fail(e);
+          throw e;
+        }
+      }
+    }
+    next_iteration(std::chrono::steady_clock::now() - start);
+  }
+
+  // The non-blocking form of wait(): true (and the next iteration readied) once every gradient
+  // holds the average; false while the exchange is still running.
+  bool try_wait() {
+    freeze();
+    std::unique_lock lock(mutex_);
+    if (error_) throw *error_;
+    if (!done_) return false;
+    next_iteration(std::chrono::nanoseconds{0});
+    return true;
+  }
+
+  int rank() const noexcept { return transport_.rank(); }
+  int size() const noexcept { return transport_.size(); }
+  const Layout& layout() const noexcept { return layout_; }
+  // The plan in use; read it between wait() and the next ready().
+  const BucketPlan& plan() const noexcept { return plan_; }
+  const IterationStats& last_iteration() const noexcept { return last_stats_; }
+  const B& bucketing() const noexcept { return bucketing_; }
+
+ private:
+  struct Slot {
+    std::uint32_t bucket = 0;
+    std::size_t offset = 0;  // first element in the bucket's buffer
+  };
+
+  struct Bucket {
+    DType dtype = DType::f32;  // accumulation dtype
+    std::size_t elements = 0;
+    detail::AlignedBuffer values;
+    engine::BucketExchange<C, X> exchange;
+  };
+
+  // Control messages: each is a size, then a payload (message id + 1).
+  enum ControlMessage : std::uint32_t { layout_message = 0, verdict_message = 2, plan_message = 4 };
+  static constexpr std::uint64_t max_control_bytes = std::uint64_t{64} << 20;
+
+  ErrorContext here(std::string operation, std::optional<std::uint32_t> bucket = std::nullopt) const {
+    return {.rank = rank(), .bucket = bucket, .operation = std::move(operation)};
+  }
+
+  [[noreturn]] void rethrow() {
+    std::lock_guard lock(mutex_);
+    throw *error_;
+  }
+
+  // The first ready() or wait(): the layout is final, so the plan is built and the thread started.
+  void freeze() {
+    if (frozen_.load(std::memory_order_acquire)) return;
+    std::call_once(freeze_once_, [&] {
+      const std::size_t n = layout_.size();
+      marked_ = std::make_unique<std::atomic<bool>[]>(n);
+      ready_at_.resize(n);
+      order_.resize(n);
+      ready_time_.resize(n);
+      install(bucketing_.initial_plan(layout_));
+      thread_ = std::thread([this] { communicate(); });
+      frozen_.store(true, std::memory_order_release);
+    });
+  }
+
+  // Checks a plan and sizes everything it needs; the only place buffers are allocated.
+  void install(BucketPlan plan) {
+    const auto invalid = [&](std::string why) {
+      return Error(ErrorKind::invalid_argument, here("plan"),
+                   fmt::format("bucketing policy {} produced an invalid plan: {}", bucketing_.describe(), why));
+    };
+    if (plan.buckets.size() > engine::max_buckets)
+      throw invalid(fmt::format("{} buckets, at most {} are supported", plan.buckets.size(), engine::max_buckets));
+    std::vector<Slot> slots(layout_.size());
+    std::vector<bool> placed(layout_.size());
+    std::vector<Bucket> buckets(plan.buckets.size());
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+      const auto& ids = plan.buckets[b];
+      if (ids.empty()) throw invalid(fmt::format("bucket {} is empty", b));
+      Bucket& bucket = buckets[b];
+      bucket.dtype = accumulation_dtype(ids.front() < layout_.size() ? layout_[ids.front()].dtype : DType::f32);
+      for (GradId id : ids) {
+        if (id >= layout_.size()) throw invalid(fmt::format("bucket {} names gradient id {}", b, id));
+        if (placed[id]) throw invalid(fmt::format("gradient {:?} is in more than one bucket", layout_[id].name));
+        if (accumulation_dtype(layout_[id].dtype) != bucket.dtype)
+          throw invalid(fmt::format("bucket {} mixes {} and {} accumulation", b, to_string(bucket.dtype),
+                                    to_string(accumulation_dtype(layout_[id].dtype))));
+        placed[id] = true;
+        slots[id] = {static_cast<std::uint32_t>(b), bucket.elements};
+        bucket.elements += layout_[id].count;
+      }
+      bucket.values = detail::AlignedBuffer(bucket.elements * size_of(bucket.dtype));
+      bucket.exchange = engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()),
+                                                     codec_, bucket.dtype);
+    }
+    for (std::size_t id = 0; id < layout_.size(); ++id)
+      if (!placed[id]) throw invalid(fmt::format("gradient {:?} is in no bucket", layout_[id].name));
+    plan_ = std::move(plan);
+    slots_ = std::move(slots);
+    buckets_ = std::move(buckets);
+    pending_ = std::make_unique<std::atomic<std::uint32_t>[]>(buckets_.size());
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      pending_[b].store(static_cast<std::uint32_t>(plan_.buckets[b].size()), std::memory_order_relaxed);
+  }
+
+  void communicate() {
+    try {
+      exchange_layouts();
+      for (std::uint64_t iteration = 0;; ++iteration) {
+        for (std::size_t b = 0; b < buckets_.size(); ++b) {
+          if (!wait_for_bucket(b)) return;
+          if (buckets_[b].dtype == DType::f64)
+            synchronize_bucket<double>(b, iteration);
+          else
+            synchronize_bucket<float>(b, iteration);
+        }
+        end_iteration(iteration);
+        std::unique_lock lock(mutex_);
+        done_ = true;
+        done_cv_.notify_all();
+        const std::uint64_t generation = generation_;
+        idle_ = true;
+        work_cv_.wait(lock, [&] { return stop_ || generation_ != generation; });
+        idle_ = false;
+        if (stop_) return;
+      }
+    } catch (const Error& e) {
+      fail(e);
+    }
+  }
+
+  // Sleeps until bucket `b` is complete, waking for the bucketing policy's deadline on the way.
+  bool wait_for_bucket(std::size_t b) {
+    std::unique_lock lock(mutex_);
+    idle_ = true;
+    bool late_reported = false;
+    for (;;) {
+      if (stop_) return false;
+      if (pending_[b].load(std::memory_order_acquire) == 0) break;
+      const std::int64_t first = first_ready_.load(std::memory_order_acquire);
+      const auto expected = late_reported || first == 0 ? std::nullopt : bucketing_.expected_ready(b);
+      if (!expected) {
+        work_cv_.wait(lock);
+        continue;
+      }
+      const auto start = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(first));
+      if (work_cv_.wait_until(lock, start + *expected) == std::cv_status::timeout &&
+          pending_[b].load(std::memory_order_acquire) != 0) {
+        late_reported = true;
+        bucketing_.on_late(b, std::chrono::steady_clock::now() - start);
+      }
+    }
+    idle_ = false;
+    return true;
+  }
+
+  template <class V>
+  void synchronize_bucket(std::size_t b, std::uint64_t iteration) {
+    Bucket& bucket = buckets_[b];
+    const auto values = bucket.values.template as<V>(bucket.elements);
+    for (GradId id : plan_.buckets[b]) detail::load<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count));
+    stats_.bytes_sent += bucket.exchange.run(
+        values, codec_, transport_, {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout});
+    for (GradId id : plan_.buckets[b])
+      detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
+  }
+
+  // Hands this iteration's timings to the bucketing policy and, when due, agrees a new plan.
+  void end_iteration(std::uint64_t iteration) {
+    stats_.iteration = iteration;
+    stats_.buckets = buckets_.size();
+    const std::int64_t first = first_ready_.load(std::memory_order_acquire);
+    const auto start = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(first));
+    for (std::size_t id = 0; id < layout_.size(); ++id) ready_time_[id] = ready_at_[id] - start;
+    const ReadyProfile profile{iteration, layout_, ready_time_, std::span<const GradId>(order_.data(), order_size_.load())};
+    std::optional<BucketPlan> proposal = bucketing_.end_iteration(profile);
+    if (!bucketing_.agreement_due(iteration)) return;
+    std::string agreed;
+    if (rank() == 0) {
+      agreed = encode_plan(proposal ? *proposal : plan_);
+      for (int peer = 1; peer < size(); ++peer) send_control(peer, iteration, plan_message, agreed);
+    } else {
+      agreed = recv_control(0, iteration, plan_message);
+    }
+    BucketPlan plan = decode_plan(agreed);
+    if (plan != plan_) install(std::move(plan));
+  }
+
+  // Called with the lock held once the iteration is done.
+  void next_iteration(std::chrono::nanoseconds exposed) {
+    last_stats_ = stats_;
+    last_stats_.exposed = exposed;
+    stats_ = {};
+    for (std::size_t id = 0; id < layout_.size(); ++id) marked_[id].store(false, std::memory_order_relaxed);
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      pending_[b].store(static_cast<std::uint32_t>(plan_.buckets[b].size()), std::memory_order_relaxed);
+    order_size_.store(0, std::memory_order_relaxed);
+    first_ready_.store(0, std::memory_order_release);
+    iteration_.fetch_add(1);
+    done_ = false;
+    ++generation_;
+    work_cv_.notify_all();
+  }
+
+  // Records the first failure, wakes everyone, and makes the other ranks fail fast.
+  void fail(const Error& e) {
+    Error first = e;
+    {
+      std::lock_guard lock(mutex_);
+      if (!error_) error_ = e;
+      first = *error_;
+      failed_.store(true, std::memory_order_release);
+      stop_ = true;
+    }
+    done_cv_.notify_all();
+    work_cv_.notify_all();
+    transport_.abort(first);
+  }
+
+  Error never_ready_error() const {
+    std::string missing;
+    std::size_t count = 0;
+    std::optional<std::uint32_t> bucket;
+    for (std::size_t id = 0; id < layout_.size(); ++id) {
+      if (marked_[id].load()) continue;
+      if (count++ < 5) missing += fmt::format("{}{:?} (id {})", missing.empty() ? "" : ", ", layout_[id].name, id);
+      if (!bucket) bucket = slots_[id].bucket;
+    }
+    if (count > 5) missing += fmt::format(" and {} more", count - 5);
+    return Error(ErrorKind::timeout, here("wait", bucket),
+                 fmt::format("iteration {} did not complete within {} ms: {} of {} gradients were never marked ready "
+                             "on this rank: {}",
+                             iteration_.load(), options_.timeout.count(), count, layout_.size(), missing));
+  }
+
+  // ---- agreement between ranks -----------------------------------------------------------------
+
+  void exchange_layouts() {
+    const std::string policies =
+        fmt::format("bucketing={} codec={} topology={} transport={} world={}", bucketing_.describe(),
+                    codec_.describe(), topology_.describe(), transport_.describe(), size());
+    const std::string mine = detail::describe_layout(layout_, policies);
+    std::string verdict;
+    if (rank() == 0) {
+      for (int peer = 1; peer < size(); ++peer) {
+        const std::string difference = detail::layout_differences(mine, recv_control(peer, 0, layout_message), peer);
+        if (!difference.empty()) verdict += (verdict.empty() ? "" : "; ") + difference;
+      }
+      for (int peer = 1; peer < size(); ++peer) send_control(peer, 0, verdict_message, verdict);
+    } else {
+      send_control(0, 0, layout_message, mine);
+      verdict = recv_control(0, 0, verdict_message);
+    }
+    if (!verdict.empty()) throw Error(ErrorKind::mismatch, here("layout check"), verdict);
+  }
+
+  // Control traffic goes through members, not locals: if a wait fails, the transport is aborted
+  // while the buffers it may still reference are alive.
+  void send_control(int peer, std::uint64_t iteration, std::uint32_t message, std::string_view payload) {
+    control_out_.assign(payload);
+    control_size_ = control_out_.size();
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    transport_.send(control_requests_[0], peer, engine::make_tag(iteration, engine::control_bucket, message),
+                    std::as_bytes(std::span(&control_size_, 1)));
+    transport_.send(control_requests_[1], peer, engine::make_tag(iteration, engine::control_bucket, message + 1),
+                    std::as_bytes(std::span(control_out_.data(), control_out_.size())));
+    transport_.wait(control_requests_[0], deadline);
+    transport_.wait(control_requests_[1], deadline);
+  }
+
+  std::string recv_control(int peer, std::uint64_t iteration, std::uint32_t message) {
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    transport_.recv(control_requests_[0], peer, engine::make_tag(iteration, engine::control_bucket, message),
+                    std::as_writable_bytes(std::span(&control_size_, 1)));
+    if (transport_.wait(control_requests_[0], deadline) != sizeof control_size_ || control_size_ > max_control_bytes)
+      throw Error(ErrorKind::protocol, {.rank = rank(), .peer = peer, .operation = "control"},
+                  fmt::format("control message announces {} bytes (limit {})", control_size_, max_control_bytes));
+    control_in_.resize(control_size_);
+    transport_.recv(control_requests_[1], peer, engine::make_tag(iteration, engine::control_bucket, message + 1),
+                    std::as_writable_bytes(std::span(control_in_.data(), control_in_.size())));
+    if (transport_.wait(control_requests_[1], deadline) != control_size_)
+      throw Error(ErrorKind::protocol, {.rank = rank(), .peer = peer, .operation = "control"},
+                  "control message shorter than announced");
+    return control_in_;
+  }
+
+  // A plan on the wire: bucket count, then each bucket's size and ids, as 32-bit words.
+  static std::string encode_plan(const BucketPlan& plan) {
+    std::vector<std::uint32_t> words{static_cast<std::uint32_t>(plan.buckets.size())};
+    for (const auto& ids : plan.buckets) {
+      words.push_back(static_cast<std::uint32_t>(ids.size()));
+      words.insert(words.end(), ids.begin(), ids.end());
+    }
+    return std::string(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(std::uint32_t));
+  }
+
+  BucketPlan decode_plan(std::string_view bytes) const {
+    const auto malformed = [&] {
+      return Error(ErrorKind::protocol, {.rank = rank(), .peer = 0, .operation = "plan agreement"},
+                   fmt::format("malformed plan message of {} bytes", bytes.size()));
+    };
+    if (bytes.size() % sizeof(std::uint32_t) != 0) throw malformed();
+    std::vector<std::uint32_t> words(bytes.size() / sizeof(std::uint32_t));
+    if (!words.empty()) std::memcpy(words.data(), bytes.data(), bytes.size());
+    std::size_t at = 0;
+    const auto next = [&] {
+      if (at >= words.size()) throw malformed();
+      return words[at++];
+    };
+    BucketPlan plan;
+    plan.buckets.resize(next());
+    if (plan.buckets.size() > words.size()) throw malformed();
+    for (auto& ids : plan.buckets) {
+      ids.resize(next());
+      if (ids.size() > words.size() - at) throw malformed();
+      for (GradId& id : ids) id = next();
+    }
+    if (at != words.size()) throw malformed();
+    return plan;
+  }
+
+  X transport_;
+  Options options_;
+  B bucketing_;
+  C codec_;
+  T topology_;
+  Group group_;
+
+  Layout layout_;
+  std::vector<TensorView> views_;
+
+  std::once_flag freeze_once_;
+  std::atomic<bool> frozen_{false};
+  BucketPlan plan_;
+  std::vector<Slot> slots_;      // by gradient
+  std::vector<Bucket> buckets_;  // by plan position
+
+  // Per-iteration state written by ready() (any thread) and read by the communication thread.
+  std::unique_ptr<std::atomic<std::uint32_t>[]> pending_;  // by bucket: gradients not yet ready
+  std::unique_ptr<std::atomic<bool>[]> marked_;            // by gradient
+  std::vector<std::chrono::steady_clock::time_point> ready_at_;
+  std::vector<GradId> order_;
+  std::atomic<std::uint32_t> order_size_{0};
+  std::atomic<std::int64_t> first_ready_{0};  // steady_clock ticks of the iteration's first ready(); 0 = none
+  std::atomic<std::uint64_t> iteration_{0};   // as the caller counts: bumped by wait()
+
+  // Used by the communication thread only.
+  std::vector<Duration> ready_time_;
+  std::array<typename X::Request, 2> control_requests_;
+  std::uint64_t control_size_ = 0;
+  std::string control_out_;
+  std::string control_in_;
+  IterationStats stats_;
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;  // wakes the communication thread
+  std::condition_variable done_cv_;  // wakes wait()
+  bool done_ = false;                // this iteration's buckets are all averaged
+  bool stop_ = false;
+  bool idle_ = false;                // the communication thread is waiting for work
+  std::uint64_t generation_ = 0;     // bumped by wait(), releases the communication thread
+  std::optional<Error> error_;
+  std::atomic<bool> failed_{false};
+  IterationStats last_stats_;
+
+  std::thread thread_;
+};
+
+}  // namespace gradsync

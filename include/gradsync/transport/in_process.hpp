@@ -1,0 +1,79 @@
+#pragma once
+// transport::InProcess — ranks are threads of one process. A message is copied once, straight from
+// the sender's buffer into the receiver's, by whichever side posts second; nothing is buffered and
+// nothing is allocated per message. It is the real transport for single-process multi-rank use,
+// and what the tests run the whole library on.
+//
+//   auto ranks = gradsync::transport::InProcess::create_world(4);
+//   // hand ranks[i] to the thread that plays rank i
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gradsync/concepts.hpp"
+
+namespace gradsync::transport {
+
+namespace detail {
+struct InProcessWorld;
+class RequestQueue;
+}
+
+class InProcess {
+ public:
+  // One pending send or receive. Lives wherever the caller keeps it; must not move while pending.
+  class Request {
+   public:
+    Request() = default;
+    Request(const Request&) = delete;
+    Request& operator=(const Request&) = delete;
+
+   private:
+    friend struct detail::InProcessWorld;
+    friend class detail::RequestQueue;
+    friend class InProcess;
+    enum class State : std::uint8_t { idle, pending, done, failed };
+    std::atomic<State> state_{State::idle};
+    Request* next_ = nullptr;  // intrusive link in a mailbox queue
+    bool is_send_ = false;
+    int owner_ = -1;  // the rank that posted it
+    int peer_ = -1;
+    std::uint64_t tag_ = 0;
+    const std::byte* source_ = nullptr;
+    std::byte* destination_ = nullptr;
+    std::size_t size_ = 0;  // bytes offered (send) or capacity (recv)
+    std::size_t transferred_ = 0;
+    std::optional<Error> error_;
+  };
+
+  // `size` connected endpoints; endpoint i is rank i.
+  static std::vector<InProcess> create_world(int size);
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept;
+  std::string describe() const;
+
+  void send(Request& request, int peer, std::uint64_t tag, std::span<const std::byte> bytes);
+  void recv(Request& request, int peer, std::uint64_t tag, std::span<std::byte> bytes);
+  bool test(Request& request);
+  std::size_t wait(Request& request, std::chrono::steady_clock::time_point deadline);
+  void abort(const Error& cause);
+
+ private:
+  InProcess(std::shared_ptr<detail::InProcessWorld> world, int rank) : world_(std::move(world)), rank_(rank) {}
+  void post(Request& request, bool is_send, int peer, std::uint64_t tag, const std::byte* source,
+            std::byte* destination, std::size_t size);
+
+  std::shared_ptr<detail::InProcessWorld> world_;
+  int rank_ = 0;
+};
+
+static_assert(TransportPolicy<InProcess>);
+
+}  // namespace gradsync::transport

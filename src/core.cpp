@@ -1,0 +1,67 @@
+// The non-template parts of the core vocabulary: error messages, names, groups.
+
+#include <fmt/format.h>
+
+#include "gradsync/error.hpp"
+#include "gradsync/schedule.hpp"
+#include "gradsync/types.hpp"
+
+namespace gradsync {
+
+std::string_view to_string(ErrorKind kind) noexcept {
+  switch (kind) {
+    case ErrorKind::invalid_argument: return "invalid argument";
+    case ErrorKind::mismatch: return "ranks disagree";
+    case ErrorKind::timeout: return "timeout";
+    case ErrorKind::peer_failed: return "peer failed";
+    case ErrorKind::protocol: return "protocol error";
+    case ErrorKind::unsupported: return "unsupported";
+  }
+  return "error";
+}
+
+namespace {
+
+std::string render(ErrorKind kind, const ErrorContext& c, const std::string& detail) {
+  std::string where = c.rank >= 0 ? fmt::format("rank {}", c.rank) : std::string("gradsync");
+  if (c.peer) where += fmt::format(", peer {}", *c.peer);
+  if (c.bucket) where += fmt::format(", bucket {}", *c.bucket);
+  if (!c.operation.empty()) where += fmt::format(", {}", c.operation);
+  return fmt::format("gradsync: {}: {}: {}", where, to_string(kind), detail);
+}
+
+}  // namespace
+
+Error::Error(ErrorKind kind, ErrorContext context, std::string detail)
+    : std::runtime_error(render(kind, context, detail)),
+      kind_(kind),
+      context_(std::move(context)),
+      detail_(std::move(detail)) {}
+
+Error Error::filled(const ErrorContext& outer) const {
+  ErrorContext c = context_;
+  if (c.rank < 0) c.rank = outer.rank;
+  if (!c.peer) c.peer = outer.peer;
+  if (!c.bucket) c.bucket = outer.bucket;
+  if (c.operation.empty()) c.operation = outer.operation;
+  return Error(kind_, std::move(c), detail_);
+}
+
+std::string to_string(Device d) {
+  return d.kind == Device::Kind::cpu ? std::string("cpu") : fmt::format("cuda:{}", d.index);
+}
+
+TensorView view(std::span<std::uint16_t> s, DType dtype, Device d) {
+  if (size_of(dtype) != sizeof(std::uint16_t))
+    throw Error(ErrorKind::invalid_argument, {.operation = "view"},
+                fmt::format("16-bit storage cannot hold {} values", to_string(dtype)));
+  return {s.data(), s.size(), dtype, d};
+}
+
+Group Group::world(int rank, int size) {
+  Group g{.rank = rank, .members = std::vector<int>(static_cast<std::size_t>(size))};
+  for (int i = 0; i < size; ++i) g.members[static_cast<std::size_t>(i)] = i;
+  return g;
+}
+
+}  // namespace gradsync
