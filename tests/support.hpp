@@ -1,6 +1,8 @@
 #pragma once
 // Helpers shared by the test suites: run a function as N in-process ranks, deterministic data.
 
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -10,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "gradsync/topology/ring.hpp"
 #include "gradsync/transport/in_process.hpp"
 
 namespace gradsync::test {
@@ -45,6 +48,40 @@ inline std::vector<float> random_values(std::size_t n, std::uint64_t seed) {
   std::vector<float> v(n);
   for (auto& x : v) x = std::ldexp(normal(gen), exponent(gen));
   return v;
+}
+
+// decode(encode(v)) for one value: what a value looks like after one trip through the codec.
+template <class C>
+float through(const C& codec, float v) {
+  auto state = codec.make_state(1);
+  std::array<std::byte, 8> buffer{};
+  const std::size_t used = codec.encode(std::span<const float>(&v, 1), state, buffer);
+  float out = 0;
+  codec.decode(std::span<const std::byte>(buffer).first(used), std::span<float>(&out, 1), DecodeMode::overwrite);
+  return out;
+}
+
+// The ring's arithmetic, written out: segment s starts at rank s, each next rank adds its own
+// value to what arrived (after a trip through the codec), the owner (rank s-1) divides by n, and
+// everyone receives the owner's value after one more trip through the codec.
+template <class C>
+std::vector<float> ring_reference(const C& codec, const std::vector<std::vector<float>>& inputs) {
+  const int n = static_cast<int>(inputs.size());
+  const std::size_t elements = inputs[0].size();
+  std::vector<float> out(elements);
+  for (int s = 0; s < n; ++s) {
+    const ElemRange seg = topology::Ring::segment(elements, n, s);
+    for (std::size_t e = seg.begin; e < seg.end; ++e) {
+      float partial = inputs[static_cast<std::size_t>(s)][e];
+      for (int k = 1; k < n; ++k) {
+        const float arrived = C::identity ? partial : through(codec, partial);
+        partial = inputs[static_cast<std::size_t>((s + k) % n)][e] + arrived;
+      }
+      const float average = partial / static_cast<float>(n);
+      out[e] = C::identity ? average : through(codec, average);
+    }
+  }
+  return out;
 }
 
 }  // namespace gradsync::test

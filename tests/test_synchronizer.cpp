@@ -1,1 +1,461 @@
+// The Synchronizer end to end, over in-process ranks: averages, agreement between ranks, errors,
+// and the no-allocation promise of the per-step path.
+
 #include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <numeric>
+
+#include "gradsync/gradsync.hpp"
+#include "support.hpp"
+
+using namespace gradsync;
+using namespace std::chrono_literals;
+using transport::InProcess;
+
+// Counts heap allocations while `counting` is set, on every thread.
+namespace {
+std::atomic<bool> counting{false};
+std::atomic<std::size_t> allocations{0};
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+struct Spec {
+  std::string name;
+  std::size_t count;
+  DType dtype;
+};
+
+// One rank's gradients, in whatever storage their dtype needs.
+struct Model {
+  std::vector<Spec> specs;
+  std::vector<std::vector<float>> f32;
+  std::vector<std::vector<double>> f64;
+  std::vector<std::vector<std::uint16_t>> half;
+
+  explicit Model(std::vector<Spec> s) : specs(std::move(s)) {
+    for (const Spec& g : specs) {
+      f32.emplace_back(g.dtype == DType::f32 ? g.count : 0);
+      f64.emplace_back(g.dtype == DType::f64 ? g.count : 0);
+      half.emplace_back(g.dtype == DType::f16 || g.dtype == DType::bf16 ? g.count : 0);
+    }
+  }
+
+  TensorView grad(std::size_t i) {
+    switch (specs[i].dtype) {
+      case DType::f32: return view(f32[i]);
+      case DType::f64: return view(f64[i]);
+      default: return view(half[i], specs[i].dtype);
+    }
+  }
+
+  // Stores `v` rounded to the gradient's dtype.
+  void set(std::size_t i, std::size_t e, double v) {
+    switch (specs[i].dtype) {
+      case DType::f32: f32[i][e] = static_cast<float>(v); break;
+      case DType::f64: f64[i][e] = v; break;
+      case DType::f16: half[i][e] = numeric::f16_bits(static_cast<float>(v)); break;
+      case DType::bf16: half[i][e] = numeric::bf16_bits(static_cast<float>(v)); break;
+    }
+  }
+
+  double get(std::size_t i, std::size_t e) const {
+    switch (specs[i].dtype) {
+      case DType::f32: return f32[i][e];
+      case DType::f64: return f64[i][e];
+      case DType::f16: return numeric::from_f16_bits(half[i][e]);
+      case DType::bf16: return numeric::from_bf16_bits(half[i][e]);
+    }
+    return 0;
+  }
+
+  // A different value for every rank, iteration, gradient and element.
+  void fill(int rank, int iteration) {
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const auto values = test::random_values(specs[i].count, 7919u * static_cast<unsigned>(rank) +
+                                                                  104729u * static_cast<unsigned>(iteration) + i);
+      for (std::size_t e = 0; e < specs[i].count; ++e) set(i, e, values[e]);
+    }
+  }
+};
+
+// Relative error a result in `dtype` may carry after summing in the accumulation dtype and, for
+// 16-bit codecs or storage, rounding once or twice to 16 bits.
+double tolerance(DType storage, double codec_unit) {
+  const double storage_unit = storage == DType::f16 ? std::ldexp(1.0, -10)
+                              : storage == DType::bf16 ? std::ldexp(1.0, -7)
+                              : storage == DType::f32 ? std::ldexp(1.0, -20)
+                                                      : std::ldexp(1.0, -45);
+  return std::max(storage_unit, codec_unit);
+}
+
+// Every rank holds the same bits, and they are close to the exact mean of the inputs.
+void check_averages(const std::vector<Model>& inputs, const std::vector<Model>& outputs, double codec_unit) {
+  const std::size_t n = inputs.size();
+  for (std::size_t i = 0; i < inputs[0].specs.size(); ++i) {
+    CAPTURE(inputs[0].specs[i].name);
+    for (std::size_t e = 0; e < inputs[0].specs[i].count; ++e) {
+      double exact = 0, scale = 0;
+      for (std::size_t r = 0; r < n; ++r) {
+        exact += inputs[r].get(i, e);
+        scale += std::fabs(inputs[r].get(i, e));
+      }
+      exact /= static_cast<double>(n);
+      scale /= static_cast<double>(n);
+      const double got = outputs[0].get(i, e);
+      REQUIRE(std::fabs(got - exact) <= tolerance(inputs[0].specs[i].dtype, codec_unit) * scale * 4 + 1e-30);
+      for (std::size_t r = 1; r < n; ++r) {
+        const double other = outputs[r].get(i, e);
+        REQUIRE(std::memcmp(&other, &got, sizeof got) == 0);
+      }
+    }
+  }
+}
+
+// A different, reproducible ready order for each rank and iteration.
+std::vector<GradId> shuffled_order(std::size_t n, int rank, int iteration) {
+  std::vector<GradId> order(n);
+  std::iota(order.begin(), order.end(), GradId{0});
+  std::mt19937 gen(static_cast<unsigned>(31 * rank + iteration));
+  std::shuffle(order.begin(), order.end(), gen);
+  return order;
+}
+
+// Runs `iterations` steps on `n` ranks: fill, ready in a shuffled order, wait; checks each step.
+template <class Sync>
+void train(int n, const std::vector<Spec>& specs, int iterations, double codec_unit, Options options = {},
+           typename Sync::Bucketing bucketing = {}, typename Sync::Compression codec = {}) {
+  CAPTURE(n);
+  std::vector<BucketPlan> plans(static_cast<std::size_t>(n));
+  std::barrier step(n);
+  std::vector<std::vector<Model>> inputs(static_cast<std::size_t>(iterations),
+                                                       std::vector<Model>(static_cast<std::size_t>(n), Model(specs)));
+  std::vector<std::vector<Model>> outputs = inputs;
+  for (int iteration = 0; iteration < iterations; ++iteration)
+    for (int r = 0; r < n; ++r)
+      inputs[static_cast<std::size_t>(iteration)][static_cast<std::size_t>(r)].fill(r, iteration);
+
+  const auto errors = test::run_ranks(n, [&](InProcess& t) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    Model model(specs);
+    Sync sync(std::move(t), options, bucketing, codec);
+    for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+    for (int iteration = 0; iteration < iterations; ++iteration) {
+      const auto it = static_cast<std::size_t>(iteration);
+      model = inputs[it][r];  // same storage: vectors keep their buffers on copy-assign
+      for (GradId id : shuffled_order(specs.size(), sync.rank(), iteration)) sync.ready(id);
+      sync.wait();
+      outputs[it][r] = model;
+      plans[r] = sync.plan();
+      step.arrive_and_wait();
+      if (sync.rank() == 0)
+        for (int other = 1; other < n; ++other) CHECK(plans[static_cast<std::size_t>(other)] == plans[0]);
+      step.arrive_and_wait();
+    }
+  });
+  for (const auto& e : errors) {
+    if (e) FAIL(std::string(e->what()));
+  }
+  for (int iteration = 0; iteration < iterations; ++iteration) {
+    CAPTURE(iteration);
+    check_averages(inputs[static_cast<std::size_t>(iteration)],
+                   outputs[static_cast<std::size_t>(iteration)], codec_unit);
+  }
+}
+
+using PerTensorSync = Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, InProcess>;
+using FixedSizeSync = Synchronizer<bucketing::FixedSize, compression::None, topology::Ring, InProcess>;
+
+const std::vector<Spec> mixed = {
+    {"embedding", 1000, DType::f32}, {"empty", 0, DType::f32},   {"norm.f16", 33, DType::f16},
+    {"proj.bf16", 50, DType::bf16},  {"head.f64", 17, DType::f64}, {"bias", 5, DType::f32},
+    {"one", 1, DType::f32},          {"prime", 97, DType::f32},  {"w.f16", 101, DType::f16},
+};
+
+}  // namespace
+
+TEST_SUITE("synchronizer") {
+  TEST_CASE("per-tensor averages equal the ring-order reference bit for bit, for every world size") {
+    const std::vector<std::size_t> sizes{0, 1, 7, 13, 97, 1009};
+    for (int n : {1, 2, 3, 4, 7, 8}) {
+      CAPTURE(n);
+      std::vector<std::vector<std::vector<float>>> inputs(sizes.size());  // [gradient][rank]
+      for (std::size_t g = 0; g < sizes.size(); ++g)
+        for (int r = 0; r < n; ++r) inputs[g].push_back(test::random_values(sizes[g], 50u * g + static_cast<unsigned>(r)));
+      std::vector<std::vector<std::vector<float>>> outputs(sizes.size(), std::vector<std::vector<float>>(static_cast<std::size_t>(n)));
+      const auto errors = test::run_ranks(n, [&](InProcess& t) {
+        const auto r = static_cast<std::size_t>(t.rank());
+        std::vector<std::vector<float>> grads;
+        for (std::size_t size : sizes) grads.emplace_back(size);  // registered memory: never reallocated
+        PerTensorSync sync(std::move(t));
+        for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
+        for (int iteration = 0; iteration < 3; ++iteration) {
+          for (std::size_t g = 0; g < sizes.size(); ++g) grads[g] = inputs[g][r];
+          for (GradId id : shuffled_order(sizes.size(), static_cast<int>(r), iteration)) sync.ready(id);
+          sync.wait();
+          for (std::size_t g = 0; g < sizes.size(); ++g) outputs[g][r] = grads[g];
+          // After the first iteration the plan follows rank 0's observed order.
+          if (iteration > 0) CHECK(sync.plan().buckets.size() == sizes.size());
+        }
+      });
+      for (const auto& e : errors) REQUIRE_FALSE(e);
+      for (std::size_t g = 0; g < sizes.size(); ++g) {
+        const auto reference = test::ring_reference(compression::None{}, inputs[g]);
+        for (int r = 0; r < n; ++r) CHECK(outputs[g][static_cast<std::size_t>(r)] == reference);
+      }
+    }
+  }
+
+  TEST_CASE("fixed-size buckets with mixed dtypes, a gradient over the cap and a re-plan") {
+    const bucketing::FixedSize small{.cap_bytes = 256, .first_cap_bytes = 64};
+    for (int n : {2, 3, 4}) train<FixedSizeSync>(n, mixed, 4, 0, {}, small);
+    for (int n : {1, 7, 8}) train<FixedSizeSync>(n, mixed, 2, 0, {}, small);
+    for (int n : {2, 5}) train<PerTensorSync>(n, mixed, 3, 0);
+  }
+
+  TEST_CASE("the default 25 MiB caps put a small model in one bucket") {
+    auto world = InProcess::create_world(1);
+    Model model(mixed);
+    FixedSizeSync sync(std::move(world[0]));
+    for (std::size_t i = 0; i < mixed.size(); ++i) sync.add(mixed[i].name, model.grad(i));
+    for (GradId id = 0; id < mixed.size(); ++id) sync.ready(id);
+    sync.wait();
+    // f32, f16 and bf16 accumulate in f32; f64 travels in its own bucket.
+    CHECK(sync.plan().buckets.size() == 2);
+    CHECK(sync.last_iteration().buckets == 2);
+  }
+
+  TEST_CASE_TEMPLATE("16-bit codecs: every rank ends with the same bits, close to the mean", C, compression::Fp16,
+                     compression::Bf16) {
+    using Sync = Synchronizer<bucketing::FixedSize, C, topology::Ring, InProcess>;
+    const double unit = std::is_same_v<C, compression::Fp16> ? std::ldexp(1.0, -9) : std::ldexp(1.0, -6);
+    for (int n : {2, 3, 4}) train<Sync>(n, mixed, 3, unit, {}, {.cap_bytes = 512, .first_cap_bytes = 128});
+  }
+
+  TEST_CASE("gradients marked ready from several threads") {
+    const std::vector<Spec> specs{{"a", 64, DType::f32}, {"b", 64, DType::f32}, {"c", 64, DType::f32}, {"d", 64, DType::f32}};
+    std::vector<Model> in(3, Model(specs)), out = in;
+    for (int r = 0; r < 3; ++r) in[static_cast<std::size_t>(r)].fill(r, 0);
+    const auto errors = test::run_ranks(3, [&](InProcess& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      Model model = in[r];
+      FixedSizeSync sync(std::move(t), {}, {.cap_bytes = 512, .first_cap_bytes = 256});
+      for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+      std::thread other([&] { sync.ready(0), sync.ready(2); });
+      sync.ready(3);
+      sync.ready(1);
+      other.join();
+      sync.wait();
+      out[r] = model;
+    });
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    check_averages(in, out, 0);
+  }
+
+  TEST_CASE("every rank agrees on the plan rebuilt from rank 0's observed ready order") {
+    const std::vector<Spec> specs{{"a", 16, DType::f32}, {"b", 16, DType::f32}, {"c", 16, DType::f32}, {"d", 16, DType::f32}};
+    const bucketing::FixedSize policy{.cap_bytes = 128, .first_cap_bytes = 128};
+    std::vector<BucketPlan> plans(3);
+    const auto errors = test::run_ranks(3, [&](InProcess& t) {
+      Model model(specs);
+      FixedSizeSync sync(std::move(t), {}, policy);
+      for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+      // Rank 0 produces a, c, b, d; the others a different order each.
+      const std::vector<GradId> order = sync.rank() == 0 ? std::vector<GradId>{0, 2, 1, 3} : shuffled_order(4, sync.rank(), 9);
+      for (GradId id : order) sync.ready(id);
+      sync.wait();
+      plans[static_cast<std::size_t>(sync.rank())] = sync.plan();
+    });
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    const Layout layout{{"a", 16}, {"b", 16}, {"c", 16}, {"d", 16}};
+    const std::vector<GradId> rank0_order{0, 2, 1, 3};
+    CHECK(plans[0] == policy.pack(layout, rank0_order));
+    CHECK(plans[0] == BucketPlan{{{0, 2}, {1, 3}}});
+    CHECK(plans[1] == plans[0]);
+    CHECK(plans[2] == plans[0]);
+  }
+
+  TEST_CASE("a rank with a different layout gets a clear Error on every rank") {
+    const auto errors = test::run_ranks(3, [&](InProcess& t) {
+      std::vector<float> a(10), b(t.rank() == 2 ? 11 : 10);
+      PerTensorSync sync(std::move(t), {.timeout = 10s});
+      sync.add("a", view(a));
+      sync.add("b", view(b));
+      sync.ready(0);
+      sync.ready(1);
+      sync.wait();
+    });
+    for (int r = 0; r < 3; ++r) {
+      REQUIRE(errors[static_cast<std::size_t>(r)]);
+      const Error& e = *errors[static_cast<std::size_t>(r)];
+      CHECK(e.kind() == ErrorKind::mismatch);
+      CHECK(e.context().rank == r);
+      CHECK(e.detail() == R"(rank 2 differs from rank 0: gradient 1: rank 0 has "b" f32[10] cpu, rank 2 has "b" f32[11] cpu)");
+    }
+  }
+
+  TEST_CASE("ranks with different policy settings are told which") {
+    const auto errors = test::run_ranks(2, [&](InProcess& t) {
+      std::vector<float> a(10);
+      FixedSizeSync sync(std::move(t), {.timeout = 10s}, {.cap_bytes = t.rank() == 0 ? 1024u : 2048u});
+      sync.add("a", view(a));
+      sync.ready(0);
+      sync.wait();
+    });
+    for (const auto& e : errors) {
+      REQUIRE(e);
+      CHECK(e->kind() == ErrorKind::mismatch);
+      CHECK(e->detail().find("fixed-size(cap=1024, first=1048576)") != std::string::npos);
+      CHECK(e->detail().find("fixed-size(cap=2048, first=1048576)") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("wait() with a gradient never marked ready names it; the other rank fails too") {
+    const auto errors = test::run_ranks(2, [&](InProcess& t) {
+      std::vector<float> a(8), b(8), c(8);
+      PerTensorSync sync(std::move(t), {.timeout = 300ms});
+      sync.add("layer.a", view(a));
+      sync.add("layer.b", view(b));
+      sync.add("layer.c", view(c));
+      sync.ready(0);
+      sync.ready(2);
+      if (sync.rank() == 0) sync.ready(1);
+      sync.wait();
+    });
+    REQUIRE(errors[1]);
+    CHECK(errors[1]->kind() == ErrorKind::timeout);
+    CHECK(errors[1]->context().rank == 1);
+    CHECK(errors[1]->context().operation == "wait");
+    CHECK(errors[1]->detail().find(R"(1 of 3 gradients were never marked ready on this rank: "layer.b" (id 1))") !=
+          std::string::npos);
+    REQUIRE(errors[0]);
+    CHECK((errors[0]->kind() == ErrorKind::peer_failed || errors[0]->kind() == ErrorKind::timeout));
+    CHECK(errors[0]->context().rank == 0);
+    CHECK(errors[0]->context().peer == 1);
+  }
+
+  TEST_CASE("a rank that goes away mid-iteration makes the others fail fast, naming it") {
+    const auto errors = test::run_ranks(3, [&](InProcess& t) {
+      std::vector<float> a(8), b(8);
+      PerTensorSync sync(std::move(t), {.timeout = 60s});
+      sync.add("a", view(a));
+      sync.add("b", view(b));
+      sync.ready(1);
+      if (sync.rank() == 2) return;  // leaves before finishing its backward pass
+      sync.ready(0);
+      sync.wait();
+    });
+    CHECK_FALSE(errors[2]);
+    for (int r : {0, 1}) {
+      REQUIRE(errors[static_cast<std::size_t>(r)]);
+      // A timeout here would mean the 60 s wait ran out instead of failing fast.
+      CHECK(errors[static_cast<std::size_t>(r)]->kind() == ErrorKind::peer_failed);
+      CHECK(errors[static_cast<std::size_t>(r)]->context().peer == 2);
+      CHECK(std::string(errors[static_cast<std::size_t>(r)]->what()).find("destroyed during iteration 0") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("API misuse is an Error, not undefined behaviour") {
+    auto world = InProcess::create_world(1);
+    std::vector<float> a(4), gpu(4);
+    PerTensorSync sync(std::move(world[0]));
+    CHECK_THROWS_AS(sync.add("on-gpu", view(gpu, Device::cuda(0))), Error);
+    sync.add("a", view(a));
+    sync.ready(0);
+    try {
+      sync.ready(0);
+      FAIL("second ready accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::invalid_argument);
+      CHECK(e.detail().find(R"("a" (id 0) was marked ready twice in iteration 0)") != std::string::npos);
+    }
+    CHECK_THROWS_AS(sync.ready(7), Error);
+    CHECK_THROWS_AS(sync.add("late", view(a)), Error);
+    sync.wait();
+    sync.ready(0);  // the next iteration may begin after wait()
+    sync.wait();
+  }
+
+  TEST_CASE("try_wait polls without blocking, and an empty layout still completes") {
+    const auto errors = test::run_ranks(2, [&](InProcess& t) {
+      std::vector<float> a(1000, static_cast<float>(t.rank()));
+      PerTensorSync sync(std::move(t));
+      sync.add("a", view(a));
+      sync.ready(0);
+      const auto give_up = std::chrono::steady_clock::now() + 30s;
+      while (!sync.try_wait()) REQUIRE(std::chrono::steady_clock::now() < give_up);
+      CHECK(a[999] == 0.5f);
+    });
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    const auto empty = test::run_ranks(2, [&](InProcess& t) {
+      PerTensorSync sync(std::move(t));
+      sync.wait();
+      sync.wait();
+    });
+    for (const auto& e : empty) REQUIRE_FALSE(e);
+  }
+
+  TEST_CASE("a bucketing policy's deadline reaches it while its bucket is late") {
+    // PerTensor with a 1 ms expectation for every bucket, counting the late reports.
+    struct Impatient : bucketing::PerTensor {
+      int* late = nullptr;
+      std::optional<Duration> expected_ready(std::size_t) const { return 1ms; }
+      void on_late(std::size_t, Duration) const { ++*late; }
+    };
+    static_assert(BucketingPolicy<Impatient>);
+    int late = 0;
+    auto world = InProcess::create_world(1);
+    std::vector<float> a(4), b(4);
+    Synchronizer<Impatient, compression::None, topology::Ring, InProcess> sync(std::move(world[0]), {},
+                                                                               Impatient{{}, &late});
+    sync.add("a", view(a));
+    sync.add("b", view(b));
+    sync.ready(0);                          // starts the clock; bucket 0 is "b"
+    std::this_thread::sleep_for(100ms);     // b arrives 100x later than expected
+    sync.ready(1);
+    sync.wait();
+    CHECK(late >= 1);
+  }
+
+  TEST_CASE("the per-step path allocates nothing") {
+    const std::vector<Spec> specs{{"w1", 3000, DType::f32}, {"b1", 30, DType::f32}, {"w2", 500, DType::f16},
+                                  {"b2", 7, DType::bf16},   {"h", 40, DType::f64}};
+    constexpr int n = 4;
+    std::barrier sync_point(n);
+    std::size_t counted = 1;
+    const auto errors = test::run_ranks(n, [&](InProcess& t) {
+      Model model(specs);
+      model.fill(t.rank(), 0);
+      Synchronizer<bucketing::FixedSize, compression::Fp16, topology::Ring, InProcess> sync(
+          std::move(t), {}, {.cap_bytes = 4096, .first_cap_bytes = 256}, {}, {.chunk_elements = 100});
+      for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+      const auto step = [&] {
+        for (GradId id = static_cast<GradId>(specs.size()); id-- > 0;) sync.ready(id);
+        sync.wait();
+      };
+      for (int i = 0; i < 3; ++i) step();  // warm-up: the plan is agreed after the first
+      sync_point.arrive_and_wait();
+      if (sync.rank() == 0) allocations = 0, counting = true;
+      sync_point.arrive_and_wait();
+      for (int i = 0; i < 10; ++i) step();
+      sync_point.arrive_and_wait();
+      if (sync.rank() == 0) counting = false, counted = allocations.load();
+    });
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    CHECK(counted == 0);
+  }
+}

@@ -18,40 +18,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// decode(encode(v)) for one value: what a value looks like after one trip through the codec.
-template <class C>
-float through(const C& codec, float v) {
-  auto state = codec.make_state(1);
-  std::array<std::byte, 8> buffer{};
-  const std::size_t used = codec.encode(std::span<const float>(&v, 1), state, buffer);
-  float out = 0;
-  codec.decode(std::span<const std::byte>(buffer).first(used), std::span<float>(&out, 1), DecodeMode::overwrite);
-  return out;
-}
-
-// The ring's arithmetic, written out: segment s starts at rank s, each next rank adds its own
-// value to what arrived (after a trip through the codec), the owner (rank s-1) divides by n, and
-// everyone receives the owner's value after one more trip through the codec.
-template <class C>
-std::vector<float> ring_reference(const C& codec, const std::vector<std::vector<float>>& inputs) {
-  const int n = static_cast<int>(inputs.size());
-  const std::size_t elements = inputs[0].size();
-  std::vector<float> out(elements);
-  for (int s = 0; s < n; ++s) {
-    const ElemRange seg = topology::Ring::segment(elements, n, s);
-    for (std::size_t e = seg.begin; e < seg.end; ++e) {
-      float partial = inputs[static_cast<std::size_t>(s)][e];
-      for (int k = 1; k < n; ++k) {
-        const float arrived = C::identity ? partial : through(codec, partial);
-        partial = inputs[static_cast<std::size_t>((s + k) % n)][e] + arrived;
-      }
-      const float average = partial / static_cast<float>(n);
-      out[e] = C::identity ? average : through(codec, average);
-    }
-  }
-  return out;
-}
-
 template <class C>
 void check_ring(int n, std::size_t elements, std::size_t chunk) {
   CAPTURE(n);
@@ -72,7 +38,7 @@ void check_ring(int n, std::size_t elements, std::size_t chunk) {
     }
   });
   for (const auto& e : errors) REQUIRE_FALSE(e);
-  const auto reference = ring_reference(codec, inputs);
+  const auto reference = test::ring_reference(codec, inputs);
   for (int r = 0; r < n; ++r) {
     CAPTURE(r);
     REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);

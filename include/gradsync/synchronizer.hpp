@@ -259,13 +259,14 @@ class Synchronizer {
         done_ = true;
         done_cv_.notify_all();
         const std::uint64_t generation = generation_;
-        idle_ = true;
+        idle_ = true;  // until the next bucket (or agreement) gives it work
         work_cv_.wait(lock, [&] { return stop_ || generation_ != generation; });
-        idle_ = false;
         if (stop_) return;
       }
     } catch (const Error& e) {
-      fail(e);
+      // Every rank learns of a layout mismatch from the same verdict; aborting the transport
+      // would only turn the others' clear message into "peer failed".
+      fail(e, e.kind() != ErrorKind::mismatch);
     }
   }
 
@@ -315,6 +316,10 @@ class Synchronizer {
     const ReadyProfile profile{iteration, layout_, ready_time_, std::span<const GradId>(order_.data(), order_size_.load())};
     std::optional<BucketPlan> proposal = bucketing_.end_iteration(profile);
     if (!bucketing_.agreement_due(iteration)) return;
+    {
+      std::lock_guard lock(mutex_);
+      idle_ = false;
+    }
     std::string agreed;
     if (rank() == 0) {
       agreed = encode_plan(proposal ? *proposal : plan_);
@@ -342,8 +347,9 @@ class Synchronizer {
     work_cv_.notify_all();
   }
 
-  // Records the first failure, wakes everyone, and makes the other ranks fail fast.
-  void fail(const Error& e) {
+  // Records the first failure, wakes everyone, and (unless they already know) makes the other
+  // ranks fail fast.
+  void fail(const Error& e, bool tell_peers = true) {
     Error first = e;
     {
       std::lock_guard lock(mutex_);
@@ -354,7 +360,7 @@ class Synchronizer {
     }
     done_cv_.notify_all();
     work_cv_.notify_all();
-    transport_.abort(first);
+    if (tell_peers) transport_.abort(first);
   }
 
   Error never_ready_error() const {
