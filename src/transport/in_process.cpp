@@ -84,9 +84,10 @@ struct InProcessWorld {
   std::optional<Error> failure;  // the first abort's cause
   int failed_rank = -1;
 
+  // Once the state is stored the owner may return and free `r`: touch nothing of it afterwards.
   void finish(Request& r, Request::State state) {
-    r.state_.store(state, std::memory_order_release);
     Waker& w = wakers[r.owner_];
+    r.state_.store(state, std::memory_order_release);
     { std::lock_guard lock(w.mutex); }
     w.cv.notify_all();
   }

@@ -115,12 +115,11 @@ struct Ring {
       // Allgather: take each finished piece and forward it, unless the right neighbour owns it.
       for (int k = 0; k < steps; ++k)
         for_pieces(wrap(r_ - k), [&](std::size_t j, ElemRange piece) {
-          const Step& received = schedule_.steps[ag_recv[k][j]];
-          if (!identity_)
-            add({.op = Step::Op::decode_copy, .range = piece, .slot = received.slot, .after = ag_recv[k][j]});
+          const std::uint32_t slot = schedule_.steps[ag_recv[k][j]].slot;
+          if (!identity_) add({.op = Step::Op::decode_copy, .range = piece, .slot = slot, .after = ag_recv[k][j]});
           if (k + 1 < steps)
-            add({.op = Step::Op::send, .peer = right, .message = message(1, k + 1, j), .range = piece,
-                 .slot = received.slot, .after = ag_recv[k][j]});
+            add({.op = Step::Op::send, .peer = right, .message = message(1, k + 1, j), .range = piece, .slot = slot,
+                 .after = ag_recv[k][j]});
         });
       return std::move(schedule_);
     }
