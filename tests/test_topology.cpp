@@ -41,7 +41,8 @@ void check_ring(int n, std::size_t elements, std::size_t chunk) {
   const auto reference = test::ring_reference(codec, inputs);
   for (int r = 0; r < n; ++r) {
     CAPTURE(r);
-    REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);
+    if (elements > 0)
+      REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);
   }
 }
 
