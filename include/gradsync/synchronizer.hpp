@@ -171,6 +171,9 @@ class Synchronizer {
   struct Bucket {
     DType dtype = DType::f32;  // accumulation dtype
     std::size_t elements = 0;
+    // A bucket of one gradient already in its accumulation dtype is reduced where it lies,
+    // saving a copy in and a copy out; otherwise gradients are packed into `values`.
+    bool in_place = false;
     detail::AlignedBuffer values;
     engine::BucketExchange<C, X> exchange;
   };
@@ -229,7 +232,8 @@ class Synchronizer {
         slots[id] = {static_cast<std::uint32_t>(b), bucket.elements};
         bucket.elements += layout_[id].count;
       }
-      bucket.values = detail::AlignedBuffer(bucket.elements * size_of(bucket.dtype));
+      bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype;
+      if (!bucket.in_place) bucket.values = detail::AlignedBuffer(bucket.elements * size_of(bucket.dtype));
       bucket.exchange = engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()),
                                                      codec_, bucket.dtype);
     }
@@ -298,10 +302,15 @@ class Synchronizer {
   template <class V>
   void synchronize_bucket(std::size_t b, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
+    const engine::ExchangeContext context{group_, iteration, static_cast<std::uint32_t>(b), options_.timeout};
+    if (bucket.in_place) {
+      const std::span<V> values(static_cast<V*>(views_[plan_.buckets[b].front()].data), bucket.elements);
+      stats_.bytes_sent += bucket.exchange.run(values, codec_, transport_, context);
+      return;
+    }
     const auto values = bucket.values.template as<V>(bucket.elements);
     for (GradId id : plan_.buckets[b]) detail::load<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count));
-    stats_.bytes_sent += bucket.exchange.run(
-        values, codec_, transport_, {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout});
+    stats_.bytes_sent += bucket.exchange.run(values, codec_, transport_, context);
     for (GradId id : plan_.buckets[b])
       detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
   }
