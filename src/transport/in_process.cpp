@@ -6,65 +6,22 @@
 
 #include <fmt/format.h>
 
+#include "../intrusive_queue.hpp"
+
 namespace gradsync::transport {
 
 namespace detail {
 
 using Request = InProcess::Request;
 
-// A FIFO of requests linked through Request::next_; matching takes the earliest entry that fits.
-class RequestQueue {
- public:
-  void push(Request* r) noexcept {
-    r->next_ = nullptr;
-    (tail_ ? tail_->next_ : head_) = r;
-    tail_ = r;
-  }
-
-  // Removes and returns the first request between `owner` and `peer` with `tag`, or nullptr.
-  Request* take(int owner, int peer, std::uint64_t tag) noexcept {
-    return take_if([&](const Request* r) { return r->owner_ == owner && r->peer_ == peer && r->tag_ == tag; });
-  }
-
-  bool remove(Request* target) noexcept {
-    return take_if([&](const Request* r) { return r == target; }) != nullptr;
-  }
-
-  template <class F>
-  void drain(F&& f) {
-    for (Request* r = head_; r != nullptr;) {
-      Request* next = r->next_;
-      f(r);
-      r = next;
-    }
-    head_ = tail_ = nullptr;
-  }
-
- private:
-  template <class Pred>
-  Request* take_if(Pred pred) noexcept {
-    Request* previous = nullptr;
-    for (Request* r = head_; r != nullptr; previous = r, r = r->next_) {
-      if (!pred(r)) continue;
-      (previous ? previous->next_ : head_) = r->next_;
-      if (tail_ == r) tail_ = previous;
-      r->next_ = nullptr;
-      return r;
-    }
-    return nullptr;
-  }
-
-  Request* head_ = nullptr;
-  Request* tail_ = nullptr;
-};
-
 // Everything addressed to one rank: receives it posted and sends nobody has received yet. Copies
 // happen under this lock, so a rank that aborts cannot free a buffer that is being read.
 struct Mailbox {
   std::mutex mutex;
-  RequestQueue receives;
-  RequestQueue sends;
+  gradsync::detail::IntrusiveQueue<Request> receives;
+  gradsync::detail::IntrusiveQueue<Request> sends;
 };
+
 
 // Where a rank sleeps while it waits for one of its requests.
 struct Waker {
@@ -74,6 +31,11 @@ struct Waker {
 
 struct InProcessWorld {
   explicit InProcessWorld(int n) : size(n), mailboxes(n), wakers(n) {}
+
+  // Matches the first request posted by `owner` for `peer` with `tag`.
+  static auto between(int owner, int peer, std::uint64_t tag) {
+    return [=](const Request* r) { return r->owner_ == owner && r->peer_ == peer && r->tag_ == tag; };
+  }
 
   const int size;
   std::vector<Mailbox> mailboxes;
@@ -167,10 +129,10 @@ void InProcess::post(Request& r, bool is_send, int peer, std::uint64_t tag, cons
     throw world_->failure_seen_by(rank_, operation);
   }
   if (is_send) {
-    if (Request* receive = box.receives.take(peer, rank_, tag)) return world_->transfer(r, *receive);
+    if (Request* receive = box.receives.take_if(detail::InProcessWorld::between(peer, rank_, tag))) return world_->transfer(r, *receive);
     box.sends.push(&r);
   } else {
-    if (Request* send = box.sends.take(peer, rank_, tag)) return world_->transfer(*send, r);
+    if (Request* send = box.sends.take_if(detail::InProcessWorld::between(peer, rank_, tag))) return world_->transfer(*send, r);
     box.receives.push(&r);
   }
 }

@@ -18,11 +18,15 @@
 
 #include "gradsync/concepts.hpp"
 
+namespace gradsync::detail {
+template <class Request>
+class IntrusiveQueue;
+}
+
 namespace gradsync::transport {
 
 namespace detail {
 struct InProcessWorld;
-class RequestQueue;
 }
 
 class InProcess {
@@ -36,7 +40,8 @@ class InProcess {
 
    private:
     friend struct detail::InProcessWorld;
-    friend class detail::RequestQueue;
+    template <class>
+    friend class gradsync::detail::IntrusiveQueue;
     friend class InProcess;
     enum class State : std::uint8_t { idle, pending, done, failed };
     std::atomic<State> state_{State::idle};

@@ -1,0 +1,105 @@
+#pragma once
+// transport::Tcp — ranks are processes, connected pairwise over TCP (Boost.Asio, in the compiled
+// library; nothing of Asio shows here).
+//
+// Setup: rank 0 listens on MASTER_PORT; every other rank connects to it, proves it holds the job
+// token, and tells rank 0 where it listens itself; rank 0 answers with every rank's address, and
+// each rank then connects to the ranks below it. Each pair gets `connections_per_peer` sockets;
+// messages to a peer take them in turn, so consecutive pieces travel side by side.
+//
+// Every connection starts with a versioned hello and an HMAC-SHA-256 proof of the job token in
+// both directions (the token itself never travels): a process with another token or wire version
+// is refused, and says why on both sides. Every frame is length-checked: against the limit before
+// anything is read, and against the receive it is matched to. A payload is read straight into the
+// receive buffer it matches; a frame nobody has asked for yet waits in its socket (nothing is
+// buffered on the frame's say-so). A connection that closes or breaks fails every operation with
+// that peer at once. The wire format is in tcp_wire.hpp.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "gradsync/concepts.hpp"
+
+namespace gradsync::detail {
+template <class Request>
+class IntrusiveQueue;
+}
+
+namespace gradsync::transport {
+
+namespace detail {
+class TcpEngine;
+}
+
+struct TcpOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  std::uint16_t master_port = 29500;
+  std::string token;        // the job's shared secret
+  std::string listen_addr;  // address to listen on; empty: every interface
+  int connections_per_peer = 1;
+  std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);  // for the whole connection phase
+  std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
+};
+
+class Tcp {
+ public:
+  class Request {
+   public:
+    Request() = default;
+    Request(const Request&) = delete;
+    Request& operator=(const Request&) = delete;
+
+   private:
+    friend class detail::TcpEngine;
+    template <class>
+    friend class gradsync::detail::IntrusiveQueue;
+    enum class State : std::uint8_t { idle, pending, done, failed };
+    State state_ = State::idle;  // guarded by the engine's lock
+    Request* next_ = nullptr;
+    bool is_send_ = false;
+    int peer_ = -1;
+    std::uint64_t tag_ = 0;
+    const std::byte* source_ = nullptr;
+    std::byte* destination_ = nullptr;
+    std::size_t size_ = 0;
+    std::size_t transferred_ = 0;
+    std::optional<Error> error_;
+  };
+
+  // Connects this rank to all others; returns once every connection is authenticated. Throws
+  // Error(timeout) naming the ranks still missing after `setup_timeout`.
+  explicit Tcp(const TcpOptions& options);
+
+  // Options from the launcher's environment (launch/environment.hpp), plus GRADSYNC_LISTEN_ADDR,
+  // GRADSYNC_CONNECTIONS_PER_PEER and GRADSYNC_SETUP_TIMEOUT_S where set.
+  static TcpOptions options_from_env();
+  static Tcp from_env() { return Tcp(options_from_env()); }
+
+  Tcp(Tcp&&) noexcept;
+  Tcp& operator=(Tcp&&) noexcept;
+  ~Tcp();
+
+  int rank() const noexcept;
+  int size() const noexcept;
+  std::string describe() const;
+
+  void send(Request& request, int peer, std::uint64_t tag, std::span<const std::byte> bytes);
+  void recv(Request& request, int peer, std::uint64_t tag, std::span<std::byte> bytes);
+  bool test(Request& request);
+  std::size_t wait(Request& request, std::chrono::steady_clock::time_point deadline);
+  void abort(const Error& cause);
+
+ private:
+  std::unique_ptr<detail::TcpEngine> engine_;
+};
+
+static_assert(TransportPolicy<Tcp>);
+
+}  // namespace gradsync::transport

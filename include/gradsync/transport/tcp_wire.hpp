@@ -1,0 +1,64 @@
+#pragma once
+// The TCP transport's wire format, version 1. All integers are little-endian.
+//
+// Connection setup, both directions, initiator first:
+//   hello  (36 bytes)  magic "GSYN" | u16 version | u16 reserved (0) | u32 rank | u32 world size
+//                      | u32 connection index | 16-byte random nonce
+//   proof  (32 bytes)  HMAC-SHA-256(token, "gradsync proof v1" | own hello | peer's hello)
+// A side whose peer's hello has another magic or version, or whose proof does not verify, closes
+// the connection; the peer sees the same facts and reports them itself.
+//
+// After setup, frames:
+//   header (24 bytes)  magic "GSYN" | u8 type | 3 bytes reserved (0) | u64 tag | u64 payload length
+//   payload            `length` bytes
+// Types: data (1) carries a message; abort (2) carries a UTF-8 reason of at most 4096 bytes from
+// a rank that is giving up; address (3) and table (4) carry the rendezvous text: "host port" of
+// one rank, or of every rank one per line in rank order.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "gradsync/detail/hmac.hpp"
+
+namespace gradsync::transport::tcp_wire {
+
+inline constexpr std::array<std::byte, 4> magic{std::byte{'G'}, std::byte{'S'}, std::byte{'Y'}, std::byte{'N'}};
+inline constexpr std::uint16_t version = 1;
+inline constexpr std::size_t hello_bytes = 36;
+inline constexpr std::size_t proof_bytes = 32;
+inline constexpr std::size_t header_bytes = 24;
+inline constexpr std::size_t max_reason_bytes = 4096;
+inline constexpr std::size_t max_rendezvous_bytes = std::size_t{1} << 24;
+
+struct Hello {
+  std::uint16_t version = tcp_wire::version;
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 0;
+  std::uint32_t connection = 0;
+  std::array<std::byte, 16> nonce{};
+};
+
+enum class FrameType : std::uint8_t { data = 1, abort = 2, address = 3, table = 4 };
+
+struct FrameHeader {
+  FrameType type = FrameType::data;
+  std::uint64_t tag = 0;
+  std::uint64_t length = 0;
+};
+
+std::array<std::byte, hello_bytes> encode(const Hello& hello);
+// The hello, or why these bytes are not one of this version.
+std::optional<Hello> decode_hello(std::span<const std::byte, hello_bytes> bytes, std::string& why);
+
+std::array<std::byte, proof_bytes> proof(std::string_view token, std::span<const std::byte, hello_bytes> own,
+                                         std::span<const std::byte, hello_bytes> peer);
+
+std::array<std::byte, header_bytes> encode(const FrameHeader& header);
+std::optional<FrameHeader> decode_header(std::span<const std::byte, header_bytes> bytes, std::string& why);
+
+}  // namespace gradsync::transport::tcp_wire

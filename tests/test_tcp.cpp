@@ -1,0 +1,290 @@
+// transport::Tcp between real processes over loopback: allreduce correctness, a peer killed
+// mid-allreduce, refused tokens and wire versions, malformed frames.
+
+#include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+
+#include <cstring>
+
+#include "gradsync/gradsync.hpp"
+#include "gradsync/transport/tcp.hpp"
+#include "gradsync/transport/tcp_wire.hpp"
+#include "processes.hpp"
+#include "support.hpp"
+
+using namespace gradsync;
+using namespace std::chrono_literals;
+using transport::Tcp;
+using transport::TcpOptions;
+
+namespace {
+
+constexpr const char* token = "test-token-0123456789";
+
+TcpOptions options(int rank, int n, std::uint16_t port) {
+  TcpOptions o;
+  o.rank = rank;
+  o.world_size = n;
+  o.master_addr = "127.0.0.1";
+  o.master_port = port;
+  o.token = token;
+  o.setup_timeout = 20s;
+  return o;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// ---- a fake rank speaking the wire protocol by hand, on a blocking POSIX socket -------------------
+
+struct RawPeer {
+  int fd = -1;
+  ~RawPeer() {
+    if (fd >= 0) ::close(fd);
+  }
+  void connect_to(std::uint16_t port) {
+    for (int attempt = 0; attempt < 400; ++attempt) {
+      fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(port);
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return;
+      ::close(fd);
+      std::this_thread::sleep_for(25ms);
+    }
+    throw std::runtime_error("could not connect");
+  }
+  void put(const void* data, std::size_t n) const {
+    if (::send(fd, data, n, MSG_NOSIGNAL) != static_cast<ssize_t>(n)) throw std::runtime_error("send");
+  }
+  bool get(void* data, std::size_t n) const {
+    auto* at = static_cast<char*>(data);
+    for (std::size_t done = 0; done < n;) {
+      const ssize_t got = ::recv(fd, at + done, n - done, 0);
+      if (got <= 0) return false;
+      done += static_cast<std::size_t>(got);
+    }
+    return true;
+  }
+  // Plays rank 1 of 2 through the handshake and the rendezvous; returns rank 0's hello.
+  std::optional<transport::tcp_wire::Hello> join(std::uint16_t version = transport::tcp_wire::version,
+                                                  std::string_view with_token = token) {
+    namespace wire = transport::tcp_wire;
+    const auto own = wire::encode(wire::Hello{.version = version, .rank = 1, .world_size = 2, .connection = 0});
+    put(own.data(), own.size());
+    std::array<std::byte, wire::hello_bytes> theirs{};
+    if (!get(theirs.data(), theirs.size())) return std::nullopt;
+    std::string why;
+    const auto hello = wire::decode_hello(theirs, why);
+    if (version != wire::version || !hello) return hello;
+    const auto p = wire::proof(with_token, own, theirs);
+    put(p.data(), p.size());
+    std::array<std::byte, wire::proof_bytes> their_proof{};
+    if (!get(their_proof.data(), their_proof.size())) return std::nullopt;
+    const std::string address = "127.0.0.1 9";
+    const auto header = wire::encode(wire::FrameHeader{wire::FrameType::address, 0, address.size()});
+    put(header.data(), header.size());
+    put(address.data(), address.size());
+    std::array<std::byte, wire::header_bytes> table_header{};
+    if (!get(table_header.data(), table_header.size())) return std::nullopt;
+    const auto table = wire::decode_header(table_header, why);
+    std::string text(table->length, '\0');
+    get(text.data(), text.size());
+    return hello;
+  }
+  void frame(std::uint64_t tag, std::uint64_t length) const {
+    const auto header = transport::tcp_wire::encode(transport::tcp_wire::FrameHeader{transport::tcp_wire::FrameType::data, tag, length});
+    put(header.data(), header.size());
+  }
+};
+
+// Rank 0 as a real Tcp endpoint that waits for one 16-byte message from rank 1, tag 7.
+std::string receive_one(std::uint16_t port) {
+  Tcp t(options(0, 2, port));
+  std::array<std::byte, 16> buffer{};
+  Tcp::Request r;
+  t.recv(r, 1, 7, buffer);
+  t.wait(r, std::chrono::steady_clock::now() + 20s);
+  return "ok";
+}
+
+}  // namespace
+
+TEST_SUITE("tcp") {
+  TEST_CASE("allreduce over TCP gives every process the ring-order reference, bit for bit") {
+    const std::vector<std::size_t> sizes{0, 1, 13, 1009, 70001};
+    for (int n : {2, 3, 4}) {
+      for (int connections : {1, 3}) {
+        CAPTURE(n);
+        CAPTURE(connections);
+        const std::uint16_t port = test::free_port();
+        const auto results = test::run_processes(n, [&](int rank) -> std::string {
+          TcpOptions o = options(rank, n, port);
+          o.connections_per_peer = connections;
+          Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(
+              Tcp(o), {.timeout = 30s}, {}, {}, {.chunk_elements = 4096});
+          std::vector<std::vector<float>> grads;
+          for (std::size_t s : sizes) grads.emplace_back(s);
+          for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
+          for (int iteration = 0; iteration < 3; ++iteration) {
+            std::vector<std::vector<std::vector<float>>> inputs(sizes.size());
+            for (std::size_t g = 0; g < sizes.size(); ++g)
+              for (int r = 0; r < n; ++r)
+                inputs[g].push_back(test::random_values(sizes[g], 1000u * static_cast<unsigned>(iteration) + 10u * g + static_cast<unsigned>(r)));
+            for (std::size_t g = 0; g < sizes.size(); ++g) grads[g] = inputs[g][static_cast<std::size_t>(rank)];
+            for (std::size_t g = sizes.size(); g-- > 0;) sync.ready(static_cast<GradId>(g));
+            sync.wait();
+            for (std::size_t g = 0; g < sizes.size(); ++g)
+              if (grads[g] != test::ring_reference(compression::None{}, inputs[g]))
+                return "gradient " + std::to_string(g) + " differs from the reference in iteration " + std::to_string(iteration);
+          }
+          return "ok";
+        });
+        for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+      }
+    }
+  }
+
+  TEST_CASE("a peer killed mid-allreduce makes the others fail fast, naming it") {
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(3, [&](int rank) -> std::string {
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(Tcp(options(rank, 3, port)),
+                                                                                      {.timeout = 60s});
+      std::vector<float> a(100000, 1.0f), b(1000, 2.0f);
+      sync.add("a", view(a));
+      sync.add("b", view(b));
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        sync.ready(1);
+        if (rank == 2 && iteration == 1) ::raise(SIGKILL);  // dies between its two gradients
+        sync.ready(0);
+        sync.wait();
+      }
+      return "ok";
+    });
+    CHECK(results[2].signalled());
+    for (int r : {0, 1}) {
+      CAPTURE(results[static_cast<std::size_t>(r)].report);
+      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+      // peer_failed, not timeout: the 60 s timeout did not have to run out.
+      CHECK(contains(results[static_cast<std::size_t>(r)].report, "error peer failed"));
+      CHECK(contains(results[static_cast<std::size_t>(r)].report, "rank 2"));
+    }
+  }
+
+  TEST_CASE("a process with the wrong job token is refused, and both sides say why") {
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, 2, port);
+      o.setup_timeout = 3s;
+      if (rank == 1) o.token = "not-the-job-token";
+      Tcp t(o);
+      return "connected";
+    });
+    CAPTURE(results[0].report);
+    CAPTURE(results[1].report);
+    CHECK(contains(results[1].report, "error ranks disagree"));
+    CHECK(contains(results[1].report, "GRADSYNC_TOKEN"));
+    CHECK(contains(results[0].report, "error timeout"));
+    CHECK(contains(results[0].report, "ranks 1 did not connect"));
+    CHECK(contains(results[0].report, "GRADSYNC_TOKEN"));
+  }
+
+  TEST_CASE("a peer speaking another wire version is refused, and both sides say why") {
+    namespace wire = transport::tcp_wire;
+    // A real rank 0 meets a rank 1 that speaks version 2.
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      if (rank == 0) {
+        TcpOptions o = options(0, 2, port);
+        o.setup_timeout = 2s;
+        Tcp t(o);
+        return "connected";
+      }
+      RawPeer fake;
+      fake.connect_to(port);
+      const auto reply = fake.join(2);
+      char byte;
+      const bool closed = !fake.get(&byte, 1);
+      return reply && reply->version == wire::version && closed ? "ok" : "rank 0 did not answer with version 1 and close";
+    });
+    CHECK_MESSAGE(results[1].ok(), results[1].report);
+    CAPTURE(results[0].report);
+    CHECK(contains(results[0].report, "it speaks gradsync wire version 2, this process speaks version 1"));
+
+    // A real rank 1 meets a rank 0 that speaks version 2.
+    const std::uint16_t port2 = test::free_port();
+    const auto other = test::run_processes(2, [&](int rank) -> std::string {
+      if (rank == 1) {
+        Tcp t(options(1, 2, port2));
+        return "connected";
+      }
+      const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+      const int yes = 1;
+      ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(port2);
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+      ::listen(listener, 4);
+      RawPeer fake;
+      fake.fd = ::accept(listener, nullptr, nullptr);
+      ::close(listener);
+      const auto own = wire::encode(wire::Hello{.version = 2, .rank = 0, .world_size = 2});
+      fake.put(own.data(), own.size());
+      std::array<std::byte, wire::hello_bytes> theirs{};
+      fake.get(theirs.data(), theirs.size());
+      return "ok";
+    });
+    CAPTURE(other[1].report);
+    CHECK(contains(other[1].report, "error ranks disagree"));
+    CHECK(contains(other[1].report, "it speaks gradsync wire version 2, this process speaks version 1"));
+  }
+
+  TEST_CASE("oversized, ill-fitting and truncated frames are refused") {
+    struct Case {
+      const char* name;
+      std::function<void(RawPeer&)> attack;
+      const char* expected;
+    };
+    const std::vector<Case> cases{
+        {"a frame claiming a terabyte", [](RawPeer& p) { p.frame(7, std::uint64_t{1} << 40); }, "exceeds the"},
+        {"a frame larger than the receive", [](RawPeer& p) { p.frame(7, 100); }, "does not fit the 16-byte receive"},
+        {"a frame cut short", [](RawPeer& p) {
+           p.frame(7, 16);
+           p.put("12345678", 8);
+         }, "closed its connection"},
+        {"garbage instead of a header", [](RawPeer& p) { p.put("this is not a gradsync frame header", 24); },
+         "without the GSYN mark"},
+    };
+    for (const Case& c : cases) {
+      CAPTURE(c.name);
+      const std::uint16_t port = test::free_port();
+      const auto results = test::run_processes(2, [&](int rank) -> std::string {
+        if (rank == 0) return receive_one(port);
+        RawPeer fake;
+        fake.connect_to(port);
+        if (!fake.join()) return "handshake failed";
+        c.attack(fake);
+        std::this_thread::sleep_for(200ms);  // closing at once would turn every case into a closed connection
+        return "ok";
+      });
+      CHECK_MESSAGE(results[1].ok(), results[1].report);
+      CAPTURE(results[0].report);
+      CHECK(contains(results[0].report, "error "));
+      CHECK(contains(results[0].report, c.expected));
+      CHECK(contains(results[0].report, "rank 0, peer 1"));
+    }
+  }
+
+  TEST_CASE("a rank sends to itself, and a world of one needs no network") {
+    Tcp alone(options(0, 1, test::free_port()));
+    std::array<std::byte, 4> out{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}}, in{};
+    Tcp::Request s, r;
+    alone.recv(r, 0, 5, in);
+    alone.send(s, 0, 5, out);
+    CHECK(alone.wait(r, std::chrono::steady_clock::now() + 1s) == 4);
+    CHECK(in == out);
+  }
+}
