@@ -1,16 +1,20 @@
-// bench/allreduce — time one Synchronizer iteration (pack, ring allreduce, unpack) of a single
-// gradient of each size, nccl-tests style, beside a plain memcpy of the same bytes.
+// bench/allreduce — nccl-tests style: time one allreduce of each size (the topology's schedule,
+// run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
-//   allreduce [--ranks N] [--min-bytes B] [--max-bytes B] [--step-factor F] [--iters I]
-//             [--warmup W] [--codec none|fp16|bf16] [--json PATH]
+//   allreduce [--transport in-process|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]
+//             [--step-factor F] [--iters I] [--warmup W] [--codec none|fp16|bf16]
+//             [--chunk-bytes B] [--json PATH]
 //
-// Ranks are threads over transport::InProcess. Every rank starts each iteration at a barrier; an
-// iteration's time is the slowest rank's, and the table reports the median over iterations.
-// algbw = bytes / time; busbw = algbw * 2(n-1)/n, the bytes each rank must move through its link
-// in a ring allreduce, so busbw is comparable across world sizes (the nccl-tests definition).
+// in-process: N ranks as threads of this process. tcp: one rank per process, placed by the
+// launcher's variables (gradsync-run, torchrun, mpirun, srun, netcluster run); --ranks is ignored.
+//
+// Every iteration starts at a barrier; an iteration's time is the slowest rank's; the table shows
+// the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
+// 2(n-1)/n, what each rank moves through its link in a ring allreduce, so busbw compares across
+// world sizes and against the link's bandwidth. GB = 1e9 bytes. Every rank checks the result of
+// the first iteration of each size against the exact average; #wrong counts elements that differ.
 
 #include <algorithm>
-#include <barrier>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +26,7 @@
 #include <fmt/os.h>
 
 #include "gradsync/gradsync.hpp"
+#include "gradsync/transport/tcp.hpp"
 
 namespace {
 
@@ -29,6 +34,7 @@ using namespace gradsync;
 using Clock = std::chrono::steady_clock;
 
 struct Config {
+  std::string transport = "in-process";
   int ranks = 4;
   std::size_t min_bytes = 1024;
   std::size_t max_bytes = std::size_t{64} << 20;
@@ -36,6 +42,7 @@ struct Config {
   int iters = 20;
   int warmup = 3;
   std::string codec = "none";
+  std::size_t chunk_bytes = std::size_t{1} << 20;
   std::string json;
 };
 
@@ -43,7 +50,7 @@ struct Row {
   std::size_t bytes = 0;
   double time_us = 0;
   double memcpy_us = 0;
-  std::size_t wrong = 0;
+  std::uint64_t wrong = 0;
 };
 
 double median(std::vector<double> v) {
@@ -53,63 +60,127 @@ double median(std::vector<double> v) {
 
 double bus_factor(int n) { return n > 1 ? 2.0 * (n - 1) / n : 1.0; }
 
-// Median time of copying `bytes` between two buffers on one thread.
 double memcpy_us(std::size_t bytes, int iters) {
   std::vector<std::byte> from(bytes, std::byte{1}), to(bytes);
   std::vector<double> times;
   for (int i = 0; i < iters + 1; ++i) {
     const auto start = Clock::now();
     std::memcpy(to.data(), from.data(), bytes);
-    const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-    if (i > 0) times.push_back(us);  // the first touches fresh pages
+    if (i > 0) times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
   }
   return median(times);
 }
 
-template <class Codec>
-Row measure(const Config& cfg, std::size_t bytes) {
-  const std::size_t count = bytes / sizeof(float);
-  const int n = cfg.ranks;
-  auto world = transport::InProcess::create_world(n);
-  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(n));
-  std::vector<std::size_t> wrong(static_cast<std::size_t>(n));
-  std::barrier start(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      std::vector<float> grad(count);
-      Synchronizer<bucketing::FixedSize, Codec, topology::Ring, transport::InProcess> sync(
-          std::move(world[static_cast<std::size_t>(r)]), {}, {.cap_bytes = bytes, .first_cap_bytes = bytes});
-      sync.add("gradient", view(grad));
-      auto& times = per_rank[static_cast<std::size_t>(r)];
-      for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
-        std::fill(grad.begin(), grad.end(), static_cast<float>(r + 1));
-        start.arrive_and_wait();
-        const auto t0 = Clock::now();
-        sync.ready(0);
-        sync.wait();
-        const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-        if (i >= cfg.warmup) times.push_back(us);
-        if (i == 0) {  // the average of 1..n is exact in every codec here
-          const float expected = static_cast<float>(n + 1) / 2.0f;
-          wrong[static_cast<std::size_t>(r)] = static_cast<std::size_t>(
-              std::count_if(grad.begin(), grad.end(), [&](float v) { return v != expected; }));
-        }
+// Small collectives the benchmark needs besides the one it measures, on their own tags.
+template <class X>
+class Coordination {
+ public:
+  explicit Coordination(X& t) : t_(t) {}
+
+  void barrier() {
+    std::byte token{};
+    exchange_with_root(std::span(&token, 1));
+    ++round_;
+  }
+
+  // Rank 0 receives every rank's values, element-wise maximum (times) and sum (counts).
+  void reduce_to_root(std::vector<double>& slowest, std::uint64_t& wrong) {
+    const auto n = t_.size();
+    if (t_.rank() != 0) {
+      send_wait(0, 1, std::as_bytes(std::span(slowest)));
+      send_wait(0, 2, std::as_bytes(std::span(&wrong, 1)));
+      ++round_;
+      return;
+    }
+    std::vector<double> theirs(slowest.size());
+    std::uint64_t their_wrong = 0;
+    for (int peer = 1; peer < n; ++peer) {
+      recv_wait(peer, 1, std::as_writable_bytes(std::span(theirs)));
+      recv_wait(peer, 2, std::as_writable_bytes(std::span(&their_wrong, 1)));
+      for (std::size_t i = 0; i < slowest.size(); ++i) slowest[i] = std::max(slowest[i], theirs[i]);
+      wrong += their_wrong;
+    }
+    ++round_;
+  }
+
+ private:
+  void exchange_with_root(std::span<std::byte> token) {
+    if (t_.rank() == 0) {
+      for (int peer = 1; peer < t_.size(); ++peer) recv_wait(peer, 0, token);
+      for (int peer = 1; peer < t_.size(); ++peer) send_wait(peer, 0, token);
+    } else {
+      send_wait(0, 0, token);
+      recv_wait(0, 0, token);
+    }
+  }
+  std::uint64_t tag(std::uint32_t message) { return engine::make_tag(round_, 0xfffe, message); }
+  void send_wait(int peer, std::uint32_t message, std::span<const std::byte> bytes) {
+    typename X::Request r;
+    t_.send(r, peer, tag(message), bytes);
+    t_.wait(r, Clock::now() + std::chrono::minutes(2));
+  }
+  void recv_wait(int peer, std::uint32_t message, std::span<std::byte> bytes) {
+    typename X::Request r;
+    t_.recv(r, peer, tag(message), bytes);
+    t_.wait(r, Clock::now() + std::chrono::minutes(2));
+  }
+
+  X& t_;
+  std::uint64_t round_ = 0;
+};
+
+// Runs every size on this rank; rank 0 returns the rows.
+template <class Codec, class X>
+std::vector<Row> run_rank(X& transport, const Config& cfg) {
+  const int n = transport.size();
+  const Group group = Group::world(transport.rank(), n);
+  const Codec codec;
+  const topology::Ring ring{.chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
+  Coordination<X> coordination(transport);
+  std::vector<Row> rows;
+  std::uint64_t iteration = 0;
+  for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
+    const std::size_t count = bytes / sizeof(float);
+    engine::BucketExchange<Codec, X> exchange(ring.schedule(group, count, codec_traits<Codec>()), codec, DType::f32);
+    std::vector<float> values(count);
+    std::vector<double> times;
+    std::uint64_t wrong = 0;
+    for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
+      std::fill(values.begin(), values.end(), static_cast<float>(transport.rank() + 1));
+      coordination.barrier();
+      const auto start = Clock::now();
+      exchange.run(std::span<float>(values), codec, transport, {group, iteration++, 0, std::chrono::minutes(2)});
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      if (i >= cfg.warmup) times.push_back(us);
+      if (i == 0) {  // the average of 1..n is exact in every codec offered here
+        const float expected = static_cast<float>(n + 1) / 2.0f;
+        wrong = static_cast<std::uint64_t>(std::count_if(values.begin(), values.end(), [&](float v) { return v != expected; }));
       }
-    });
-  for (auto& t : threads) t.join();
-  std::vector<double> slowest(static_cast<std::size_t>(cfg.iters));
-  for (int i = 0; i < cfg.iters; ++i)
-    for (const auto& times : per_rank) slowest[static_cast<std::size_t>(i)] = std::max(slowest[static_cast<std::size_t>(i)], times[static_cast<std::size_t>(i)]);
-  Row row{.bytes = bytes, .time_us = median(slowest), .memcpy_us = memcpy_us(bytes, cfg.iters)};
-  for (std::size_t w : wrong) row.wrong += w;
-  return row;
+    }
+    coordination.reduce_to_root(times, wrong);
+    if (transport.rank() == 0) rows.push_back({count * sizeof(float), median(times), memcpy_us(count * sizeof(float), cfg.iters), wrong});
+  }
+  return rows;
 }
 
-Row measure(const Config& cfg, std::size_t bytes) {
-  if (cfg.codec == "fp16") return measure<compression::Fp16>(cfg, bytes);
-  if (cfg.codec == "bf16") return measure<compression::Bf16>(cfg, bytes);
-  return measure<compression::None>(cfg, bytes);
+template <class Codec>
+std::vector<Row> run(const Config& cfg, int& ranks) {
+  if (cfg.transport == "tcp") {
+    transport::Tcp tcp = transport::Tcp::from_env();
+    ranks = tcp.size();
+    return run_rank<Codec>(tcp, cfg);
+  }
+  ranks = cfg.ranks;
+  auto world = transport::InProcess::create_world(cfg.ranks);
+  std::vector<Row> rows;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < cfg.ranks; ++r)
+    threads.emplace_back([&, r] {
+      auto result = run_rank<Codec>(world[static_cast<std::size_t>(r)], cfg);
+      if (r == 0) rows = std::move(result);
+    });
+  for (auto& t : threads) t.join();
+  return rows;
 }
 
 std::size_t parse_size(const std::string& s) {
@@ -131,72 +202,84 @@ Config parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--ranks") cfg.ranks = std::stoi(value());
+    if (arg == "--transport") cfg.transport = value();
+    else if (arg == "--ranks") cfg.ranks = std::stoi(value());
     else if (arg == "--min-bytes") cfg.min_bytes = parse_size(value());
     else if (arg == "--max-bytes") cfg.max_bytes = parse_size(value());
     else if (arg == "--step-factor") cfg.step_factor = std::stoull(value());
     else if (arg == "--iters") cfg.iters = std::stoi(value());
     else if (arg == "--warmup") cfg.warmup = std::stoi(value());
     else if (arg == "--codec") cfg.codec = value();
+    else if (arg == "--chunk-bytes") cfg.chunk_bytes = parse_size(value());
     else if (arg == "--json") cfg.json = value();
     else if (arg == "--help" || arg == "-h") {
-      fmt::print("usage: allreduce [--ranks N] [--min-bytes B] [--max-bytes B] [--step-factor F] [--iters I]\n"
-                 "                 [--warmup W] [--codec none|fp16|bf16] [--json PATH]\n"
-                 "sizes take K, M or G suffixes (binary)\n");
+      fmt::print("usage: allreduce [--transport in-process|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]\n"
+                 "                 [--step-factor F] [--iters I] [--warmup W] [--codec none|fp16|bf16]\n"
+                 "                 [--chunk-bytes B] [--json PATH]\n"
+                 "sizes take K, M or G suffixes (binary); tcp ranks come from the launcher's variables\n");
       std::exit(0);
     } else {
-      throw std::invalid_argument("unknown option " + arg);
+      throw std::invalid_argument("unknown option " + arg + " (--help lists them)");
     }
   }
   if (cfg.ranks < 1 || cfg.iters < 1 || cfg.warmup < 1 || cfg.step_factor < 2 || cfg.min_bytes < sizeof(float) ||
       cfg.min_bytes > cfg.max_bytes)
     throw std::invalid_argument("need ranks >= 1, iters >= 1, warmup >= 1, step-factor >= 2, 4 <= min-bytes <= max-bytes");
   if (cfg.codec != "none" && cfg.codec != "fp16" && cfg.codec != "bf16")
-    throw std::invalid_argument("codec must be none, fp16 or bf16");
+    throw std::invalid_argument("--codec must be none, fp16 or bf16");
+  if (cfg.transport != "in-process" && cfg.transport != "tcp")
+    throw std::invalid_argument("--transport must be in-process or tcp");
   return cfg;
+}
+
+void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
+  fmt::print("# gradsync allreduce: {} ranks, transport {}, topology ring (chunk {} B), codec {}\n", ranks,
+             cfg.transport, cfg.chunk_bytes, cfg.codec);
+  fmt::print("# median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, one thread\n",
+             cfg.iters, cfg.warmup);
+  fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
+             "algbw", "busbw", "memcpy", "time/cpy", "#wrong");
+  fmt::print("# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "(B)", "(elements)", "", "(us)",
+             "(GB/s)", "(GB/s)", "(us)", "", "");
+  std::uint64_t wrong = 0;
+  for (const Row& row : rows) {
+    const double algbw = static_cast<double>(row.bytes) / row.time_us / 1e3;
+    fmt::print("  {:>12} {:>11} {:>5} {:>11.1f} {:>8.3f} {:>8.3f} {:>11.1f} {:>9.2f} {:>6}\n", row.bytes,
+               row.bytes / sizeof(float), "float", row.time_us, algbw, algbw * bus_factor(ranks), row.memcpy_us,
+               row.time_us / row.memcpy_us, row.wrong);
+    wrong += row.wrong;
+  }
+  fmt::print("# out of bounds values: {} {}\n", wrong, wrong ? "ERROR" : "OK");
+  if (cfg.json.empty()) return;
+  auto out = fmt::output_file(cfg.json);
+  out.print("[\n");
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const double algbw = static_cast<double>(r.bytes) / r.time_us / 1e3;
+    out.print(R"(  {{"bytes": {}, "ranks": {}, "topology": "ring", "codec": "{}", "transport": "{}", )"
+              R"("time_us": {:.3f}, "algbw_GBps": {:.5f}, "busbw_GBps": {:.5f}, "memcpy_us": {:.3f}, "wrong": {}}}{})"
+              "\n",
+              r.bytes, ranks, cfg.codec, cfg.transport, r.time_us, algbw, algbw * bus_factor(ranks), r.memcpy_us,
+              r.wrong, i + 1 < rows.size() ? "," : "");
+  }
+  out.print("]\n");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
   const Config cfg = parse(argc, argv);
-  fmt::print("# gradsync allreduce: {} ranks, transport in-process, topology ring, bucketing fixed-size, codec {}\n",
-             cfg.ranks, cfg.codec);
-  fmt::print("# {} hardware threads; median of {} iterations after {} warm-up; memcpy: one thread, same bytes\n",
-             std::thread::hardware_concurrency(), cfg.iters, cfg.warmup);
-  fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
-             "algbw", "busbw", "memcpy", "time/cpy", "#wrong");
-  fmt::print("# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "(B)", "(elements)", "", "(us)",
-             "(GB/s)", "(GB/s)", "(us)", "", "");
+  int ranks = 0;
   std::vector<Row> rows;
-  std::size_t wrong = 0;
-  for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
-    const Row row = measure(cfg, bytes / sizeof(float) * sizeof(float));
-    const double algbw = static_cast<double>(row.bytes) / row.time_us / 1e3;
-    fmt::print("  {:>12} {:>11} {:>5} {:>11.1f} {:>8.3f} {:>8.3f} {:>11.1f} {:>9.2f} {:>6}\n", row.bytes,
-               row.bytes / sizeof(float), "float", row.time_us, algbw, algbw * bus_factor(cfg.ranks), row.memcpy_us,
-               row.time_us / row.memcpy_us, row.wrong);
-    std::fflush(stdout);
-    rows.push_back(row);
-    wrong += row.wrong;
-  }
-  fmt::print("# out of bounds values: {} {}\n", wrong, wrong ? "ERROR" : "OK");
-  if (!cfg.json.empty()) {
-    auto out = fmt::output_file(cfg.json);
-    out.print("[\n");
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      const double algbw = static_cast<double>(r.bytes) / r.time_us / 1e3;
-      out.print(R"(  {{"bytes": {}, "ranks": {}, "topology": "ring", "codec": "{}", "transport": "in-process", )"
-                R"("time_us": {:.3f}, "algbw_GBps": {:.4f}, "busbw_GBps": {:.4f}, "memcpy_us": {:.3f}, "wrong": {}}}{})"
-                "\n",
-                r.bytes, cfg.ranks, cfg.codec, r.time_us, algbw, algbw * bus_factor(cfg.ranks), r.memcpy_us, r.wrong,
-                i + 1 < rows.size() ? "," : "");
-    }
-    out.print("]\n");
-  }
-  return wrong ? 1 : 0;
+  if (cfg.codec == "fp16") rows = run<compression::Fp16>(cfg, ranks);
+  else if (cfg.codec == "bf16") rows = run<compression::Bf16>(cfg, ranks);
+  else rows = run<compression::None>(cfg, ranks);
+  if (rows.empty()) return 0;  // not rank 0
+  report(cfg, ranks, rows);
+  for (const Row& r : rows)
+    if (r.wrong) return 1;
+  return 0;
 } catch (const std::exception& e) {
-  fmt::print(stderr, "allreduce: {}\n", e.what());
+  std::fprintf(stderr, "allreduce: %s\n", e.what());
   return 2;
 }

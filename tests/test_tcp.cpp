@@ -254,7 +254,7 @@ TEST_SUITE("tcp") {
         {"a frame cut short", [](RawPeer& p) {
            p.frame(7, 16);
            p.put("12345678", 8);
-         }, "closed its connection"},
+         }, "closed its connection in the middle of a message"},
         {"garbage instead of a header", [](RawPeer& p) { p.put("this is not a gradsync frame header", 24); },
          "without the GSYN mark"},
     };

@@ -1,6 +1,7 @@
 #include "gradsync/transport/tcp.hpp"
 
 #include <condition_variable>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include <boost/asio.hpp>
+#include <netinet/tcp.h>
 #include <fmt/format.h>
 
 #include "../intrusive_queue.hpp"
@@ -45,6 +47,7 @@ struct Connection {
   std::array<std::byte, tcp_wire::header_bytes> in_header{};
   std::optional<tcp_wire::FrameHeader> parked;  // a data frame nobody has asked for yet
   Request* receiving = nullptr;
+  bool closed = false;  // the peer closed it cleanly, between frames
   std::array<char, tcp_wire::max_reason_bytes> reason{};
 };
 
@@ -65,6 +68,7 @@ class TcpEngine {
       for (auto& c : p.connections) {
         if (!c) continue;
         c->socket.set_option(tcp::no_delay(true));
+        set_congestion_control(*c);
         read_header(*c);
       }
     work_.emplace(asio::make_work_guard(io_));
@@ -177,6 +181,17 @@ class TcpEngine {
     if (options_.token.empty()) throw bad("the job token is empty");
   }
 
+  void set_congestion_control(Connection& c) const {
+    const std::string& name = options_.congestion_control;
+    if (name.empty()) return;
+    if (::setsockopt(c.socket.native_handle(), IPPROTO_TCP, TCP_CONGESTION, name.data(),
+                     static_cast<socklen_t>(name.size())) != 0)
+      throw Error(ErrorKind::invalid_argument, where(c.peer, "tcp setup"),
+                  fmt::format("TCP congestion control {:?} is not available here (see "
+                              "/proc/sys/net/ipv4/tcp_available_congestion_control): {}",
+                              name, std::strerror(errno)));
+  }
+
   // Requires the lock. Throws the request's error if it failed.
   bool settled(Request& r) {
     switch (r.state_) {
@@ -249,8 +264,9 @@ class TcpEngine {
   }
 
   void read_header(Connection& c) {
-    asio::async_read(c.socket, asio::buffer(c.in_header), [this, &c](const error_code& ec, std::size_t) {
+    asio::async_read(c.socket, asio::buffer(c.in_header), [this, &c](const error_code& ec, std::size_t got) {
       const int peer = c.peer;
+      if (ec == asio::error::eof && got == 0) return closed_between_frames(c);
       if (ec) return connection_broke(c, peer, ec);
       std::string why;
       const auto header = tcp_wire::decode_header(c.in_header, why);
@@ -317,11 +333,24 @@ class TcpEngine {
     return Error(ErrorKind::protocol, where(peer, "recv"), fmt::format("from rank {}: {}", peer, why));
   }
 
+  // A peer that finished closes all its sockets; what it sent before is still in the others, so
+  // the peer counts as gone only once every one of its connections has closed.
+  void closed_between_frames(Connection& c) {
+    {
+      std::lock_guard lock(mutex_);
+      c.closed = true;
+      for (const auto& other : peers_[static_cast<std::size_t>(c.peer)].connections)
+        if (!other->closed) return;
+    }
+    fail_peer(c.peer, Error(ErrorKind::peer_failed, where(c.peer, "connection"),
+                            fmt::format("rank {} closed its connections (it exited or failed)", c.peer)));
+  }
+
   void connection_broke(Connection&, int peer, const error_code& ec) {
     if (ec == asio::error::operation_aborted) return;  // we closed it
     const bool closed = ec == asio::error::eof || ec == asio::error::connection_reset || ec == asio::error::broken_pipe;
     fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "connection"),
-                          closed ? fmt::format("rank {} closed its connection (it exited or failed)", peer)
+                          closed ? fmt::format("rank {} closed its connection in the middle of a message (it exited or failed)", peer)
                                  : fmt::format("connection to rank {} failed: {}", peer, ec.message())));
   }
 
@@ -701,6 +730,7 @@ TcpOptions Tcp::options_from_env() {
   if (const auto listen = launch::process_environment("GRADSYNC_LISTEN_ADDR")) o.listen_addr = *listen;
   if (const auto c = number("GRADSYNC_CONNECTIONS_PER_PEER", 1, 64)) o.connections_per_peer = static_cast<int>(*c);
   if (const auto t = number("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
+  if (const auto cc = launch::process_environment("GRADSYNC_TCP_CONGESTION")) o.congestion_control = *cc;
   return o;
 }
 

@@ -46,6 +46,8 @@ struct TcpOptions {
   int connections_per_peer = 1;
   std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);  // for the whole connection phase
   std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
+  // TCP congestion control for this job's sockets ("cubic", "bbr", ...); empty: the system's.
+  std::string congestion_control;
 };
 
 class Tcp {
@@ -78,7 +80,7 @@ class Tcp {
   explicit Tcp(const TcpOptions& options);
 
   // Options from the launcher's environment (launch/environment.hpp), plus GRADSYNC_LISTEN_ADDR,
-  // GRADSYNC_CONNECTIONS_PER_PEER and GRADSYNC_SETUP_TIMEOUT_S where set.
+  // GRADSYNC_CONNECTIONS_PER_PEER, GRADSYNC_SETUP_TIMEOUT_S and GRADSYNC_TCP_CONGESTION where set.
   static TcpOptions options_from_env();
   static Tcp from_env() { return Tcp(options_from_env()); }
 
