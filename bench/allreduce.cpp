@@ -37,7 +37,7 @@ struct Config {
   std::string transport = "in-process";
   int ranks = 4;
   std::size_t min_bytes = 1024;
-  std::size_t max_bytes = std::size_t{64} << 20;
+  std::size_t max_bytes = std::size_t{256} << 20;
   std::size_t step_factor = 4;
   int iters = 20;
   int warmup = 3;

@@ -23,11 +23,14 @@ std::string_view to_string(ErrorKind kind) noexcept {
 namespace {
 
 std::string render(ErrorKind kind, const ErrorContext& c, const std::string& detail) {
-  std::string where = c.rank >= 0 ? fmt::format("rank {}", c.rank) : std::string("gradsync");
-  if (c.peer) where += fmt::format(", peer {}", *c.peer);
-  if (c.bucket) where += fmt::format(", bucket {}", *c.bucket);
-  if (!c.operation.empty()) where += fmt::format(", {}", c.operation);
-  return fmt::format("gradsync: {}: {}: {}", where, to_string(kind), detail);
+  std::string where;
+  const auto add = [&](const std::string& part) { where += (where.empty() ? "" : ", ") + part; };
+  if (c.rank >= 0) add(fmt::format("rank {}", c.rank));
+  if (c.peer) add(fmt::format("peer {}", *c.peer));
+  if (c.bucket) add(fmt::format("bucket {}", *c.bucket));
+  if (!c.operation.empty()) add(c.operation);
+  return where.empty() ? fmt::format("gradsync: {}: {}", to_string(kind), detail)
+                       : fmt::format("gradsync: {}: {}: {}", where, to_string(kind), detail);
 }
 
 }  // namespace

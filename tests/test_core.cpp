@@ -65,6 +65,9 @@ TEST_SUITE("core") {
     const Error filled = bare.filled({.rank = 2, .bucket = 4, .operation = "decode-add"});
     CHECK(std::string(filled.what()) == "gradsync: rank 2, bucket 4, decode-add: protocol error: short buffer");
     CHECK(filled.kind() == ErrorKind::protocol);
+    CHECK(std::string(Error(ErrorKind::invalid_argument, {.operation = "launch"}, "RANK is not set").what()) ==
+          "gradsync: launch: invalid argument: RANK is not set");
+    CHECK(std::string(bare.what()) == "gradsync: protocol error: short buffer");
   }
 
   TEST_CASE("views and devices") {

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# gradsync-run end to end: a job that works, a job with a failing rank, and ranks started without
+# the launcher's variables.
+#   check.sh GRADSYNC_RUN PROBE
+set -uo pipefail
+run=$1
+probe=$2
+status=0
+fail() { echo "FAIL: $*"; status=1; }
+
+out=$(timeout 120 "$run" -n 3 "$probe" 2>&1); rc=$?
+echo "$out"
+[[ $rc -eq 0 ]] || fail "a working job exited with $rc"
+for r in 0 1 2; do
+  grep -q "^\[$r\] rank $r of 3: average ok$" <<<"$out" || fail "no prefixed success line from rank $r"
+done
+
+out=$(timeout 120 "$run" -n 3 "$probe" --fail-rank 1 2>&1); rc=$?
+echo "$out"
+[[ $rc -eq 3 ]] || fail "a job whose rank 1 exits with 3 ended with $rc (124 means the others were not stopped)"
+grep -q "rank 1 exited with status 3; stopping the other ranks" <<<"$out" || fail "no word about the failed rank"
+
+out=$(env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE \
+      -u SLURM_PROCID -u SLURM_NTASKS "$probe" 2>&1); rc=$?
+echo "$out"
+[[ $rc -ne 0 ]] && grep -q "no launcher variables found" <<<"$out" || fail "a rank without launcher variables did not say so"
+
+out=$(env -u GRADSYNC_TOKEN RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "$probe" 2>&1); rc=$?
+echo "$out"
+[[ $rc -ne 0 ]] && grep -q "GRADSYNC_TOKEN is not set" <<<"$out" || fail "a rank without a token did not say so"
+
+exit $status
