@@ -8,5 +8,7 @@
 #include "gradsync/compression/none.hpp"
 #include "gradsync/synchronizer.hpp"
 #include "gradsync/topology/ring.hpp"
+#include "gradsync/launch/environment.hpp"
 #include "gradsync/transport/in_process.hpp"
+#include "gradsync/transport/tcp.hpp"
 #include "gradsync/version.hpp"

@@ -1,0 +1,174 @@
+// fmnist — data-parallel training of an MLP on Fashion-MNIST through gradsync.
+//
+//   gradsync-run -n 4 fmnist [--epochs E] [--batch B] [--lr R] [--bucketing fixed-size|per-tensor]
+//                            [--codec none|fp16|bf16] [--hidden 256,128] [--steps S] [--data DIR]
+//                            [--json PATH] [--seed N]
+//
+// One process per rank over TCP, placed by the launcher's variables; run without a launcher it
+// trains alone. Rank 0 prints progress, the test accuracy and the communication figures.
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/os.h>
+
+#include "gradsync/gradsync.hpp"
+#include "gradsync/transport/tcp.hpp"
+#include "trainer.hpp"
+
+namespace {
+
+namespace gs = gradsync;
+
+struct Options {
+  fmnist::TrainConfig train;
+  std::string bucketing = "fixed-size";
+  std::string codec = "none";
+  std::vector<std::size_t> hidden{256, 128};
+  std::string data = "/usr/share/datasets/fashion-mnist";
+  std::string json;
+};
+
+constexpr const char* usage =
+    "usage: fmnist [--epochs E] [--batch B] [--lr R] [--momentum M] [--bucketing fixed-size|per-tensor]\n"
+    "              [--codec none|fp16|bf16] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]\n"
+    "Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.\n";
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--epochs") o.train.epochs = std::stoi(value());
+    else if (arg == "--batch") o.train.batch = std::stoul(value());
+    else if (arg == "--lr") o.train.learning_rate = std::stof(value());
+    else if (arg == "--momentum") o.train.momentum = std::stof(value());
+    else if (arg == "--steps") o.train.max_steps = std::stoul(value());
+    else if (arg == "--seed") o.train.seed = std::stoull(value());
+    else if (arg == "--bucketing") o.bucketing = value();
+    else if (arg == "--codec") o.codec = value();
+    else if (arg == "--data") o.data = value();
+    else if (arg == "--json") o.json = value();
+    else if (arg == "--hidden") {
+      o.hidden.clear();
+      std::stringstream list(value());
+      for (std::string item; std::getline(list, item, ',');) o.hidden.push_back(std::stoul(item));
+    } else if (arg == "--help" || arg == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    } else {
+      throw std::invalid_argument("unknown option " + arg + "\n" + usage);
+    }
+  }
+  if (o.train.epochs < 1 || o.train.batch < 1 || o.hidden.empty())
+    throw std::invalid_argument("--epochs and --batch must be positive and --hidden must list at least one layer");
+  if (o.codec != "none" && o.codec != "fp16" && o.codec != "bf16")
+    throw std::invalid_argument("--codec must be none, fp16 or bf16");
+  if (o.bucketing != "fixed-size" && o.bucketing != "per-tensor")
+    throw std::invalid_argument("--bucketing must be fixed-size or per-tensor");
+  return o;
+}
+
+gs::transport::Tcp connect() {
+  if (gs::launch::process_environment("RANK") || gs::launch::process_environment("OMPI_COMM_WORLD_RANK") ||
+      gs::launch::process_environment("PMI_RANK") || gs::launch::process_environment("SLURM_PROCID"))
+    return gs::transport::Tcp::from_env();
+  return gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = "single-process"});
+}
+
+// A bar on a terminal; every tenth of the epoch as a line otherwise (gradsync-run, logs).
+fmnist::Progress progress_printer() {
+  const bool terminal = ::isatty(STDOUT_FILENO);
+  return [terminal, last_tenth = std::size_t{0}](int epoch, std::size_t step, std::size_t steps, double rate,
+                                                 double loss) mutable {
+    const std::size_t tenth = step * 10 / steps;
+    if (!terminal && tenth == last_tenth && step != steps) return;
+    last_tenth = step == steps ? 0 : tenth;
+    constexpr int width = 30;
+    const int filled = static_cast<int>(width * step / steps);
+    fmt::print("{}epoch {} [{}{}] {:>5}/{} steps  {:>7.0f} samples/s  loss {:.4f}{}", terminal ? "\r" : "", epoch,
+               std::string(static_cast<std::size_t>(filled), '#'), std::string(static_cast<std::size_t>(width - filled), '.'),
+               step, steps, rate, loss, terminal && step != steps ? "" : "\n");
+    std::fflush(stdout);
+  };
+}
+
+template <class Bucketing, class Codec>
+int run(const Options& o) {
+  using Sync = gs::Synchronizer<Bucketing, Codec, gs::topology::Ring, gs::transport::Tcp>;
+  Sync sync(connect(), {.timeout = std::chrono::minutes(2)});
+  const bool leader = sync.rank() == 0;
+  const fmnist::Dataset train_set = fmnist::load_split(o.data, true);
+  const fmnist::Dataset test_set = fmnist::load_split(o.data, false);
+  std::vector<std::size_t> sizes{train_set.pixels};
+  sizes.insert(sizes.end(), o.hidden.begin(), o.hidden.end());
+  sizes.push_back(10);
+  fmnist::Mlp model(sizes, o.train.seed);
+  const std::size_t gradient_bytes = model.parameters() * sizeof(float);
+  if (leader)
+    fmt::print("fmnist: {} ranks x batch {} | MLP {} ({} parameters, {:.2f} MB of f32 gradients a step) | "
+               "bucketing {} | codec {}\n",
+               sync.size(), o.train.batch, fmt::join(sizes, "-"), model.parameters(), gradient_bytes / 1e6,
+               o.bucketing, o.codec);
+  const auto reports = fmnist::train(sync, model, train_set, leader ? &test_set : nullptr, o.train,
+                                     leader ? progress_printer() : fmnist::Progress{});
+  if (!leader) return 0;
+  double seconds = 0, exposed = 0;
+  std::uint64_t bytes = 0;
+  std::size_t steps = 0;
+  for (const auto& r : reports) {
+    fmt::print("epoch {}: test accuracy {:.4f} | {:.1f} s, {:.0f} samples/s | waiting on synchronization {:.1f} s "
+               "({:.0f}% of the time) | {:.1f} MB sent by rank 0 ({:.2f} MB a step)\n",
+               r.epoch, r.test_accuracy, r.seconds, r.samples_per_second, r.exposed_seconds,
+               100 * r.exposed_seconds / r.seconds, r.bytes_sent / 1e6, r.steps ? r.bytes_sent / 1e6 / r.steps : 0.0);
+    seconds += r.seconds;
+    exposed += r.exposed_seconds;
+    bytes += r.bytes_sent;
+    steps += r.steps;
+  }
+  const auto& last = reports.back();
+  fmt::print("done: {} ranks, {} epochs, test accuracy {:.4f}, {:.0f} samples/s, {:.0f}% of step time waiting on "
+             "synchronization\n",
+             sync.size(), reports.size(), last.test_accuracy, static_cast<double>(steps * o.train.batch * sync.size()) / seconds,
+             100 * exposed / seconds);
+  if (!o.json.empty()) {
+    auto out = fmt::output_file(o.json);
+    out.print(R"({{"ranks": {}, "batch_per_rank": {}, "layers": [{}], "parameters": {}, "bucketing": "{}", )"
+              R"("codec": "{}", "epochs": [)",
+              sync.size(), o.train.batch, fmt::join(sizes, ", "), model.parameters(), o.bucketing, o.codec);
+    for (std::size_t i = 0; i < reports.size(); ++i) {
+      const auto& r = reports[i];
+      out.print(R"({}{{"epoch": {}, "steps": {}, "seconds": {:.3f}, "samples_per_second": {:.1f}, "loss": {:.5f}, )"
+                R"("test_accuracy": {:.4f}, "exposed_seconds": {:.3f}, "bytes_sent": {}}})",
+                i ? ", " : "", r.epoch, r.steps, r.seconds, r.samples_per_second, r.loss, r.test_accuracy,
+                r.exposed_seconds, r.bytes_sent);
+    }
+    out.print("]}}\n");
+  }
+  return 0;
+}
+
+template <class Bucketing>
+int with_codec(const Options& o) {
+  if (o.codec == "fp16") return run<Bucketing, gs::compression::Fp16>(o);
+  if (o.codec == "bf16") return run<Bucketing, gs::compression::Bf16>(o);
+  return run<Bucketing, gs::compression::None>(o);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Options o = parse(argc, argv);
+  return o.bucketing == "per-tensor" ? with_codec<gs::bucketing::PerTensor>(o) : with_codec<gs::bucketing::FixedSize>(o);
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "fmnist: %s\n", e.what());
+  return 1;
+}

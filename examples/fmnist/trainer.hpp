@@ -1,0 +1,104 @@
+#pragma once
+// The data-parallel training loop: every rank walks the same shuffled order of the training set;
+// each global batch of ranks x batch samples is cut into one shard per rank. Gradients go to the
+// Synchronizer layer by layer as backward produces them, so the last layers' averaging overlaps
+// with the first layers' backward; wait() returns the average and every rank takes the same step.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "idx.hpp"
+#include "mlp.hpp"
+
+namespace fmnist {
+
+struct TrainConfig {
+  int epochs = 1;
+  std::size_t batch = 16;  // per rank
+  float learning_rate = 0.02f;
+  float momentum = 0.9f;
+  std::uint64_t seed = 1;
+  std::size_t max_steps = 0;  // per epoch; 0: the whole training set
+};
+
+struct EpochReport {
+  int epoch = 0;
+  std::size_t steps = 0;
+  double seconds = 0;
+  double samples_per_second = 0;  // global: every rank's samples
+  double loss = 0;                // mean over the epoch of this rank's batch losses
+  double test_accuracy = -1;      // -1 where not evaluated
+  double exposed_seconds = 0;     // time wait() blocked: communication backward did not hide
+  std::uint64_t bytes_sent = 0;   // by this rank
+};
+
+// progress(epoch, step, steps, samples_per_second, loss) after every step.
+using Progress = std::function<void(int, std::size_t, std::size_t, double, double)>;
+
+// Registers the model's gradients with `sync` (weights then bias, layer by layer) and trains.
+// `test` may be null (no evaluation). Every rank must call this with the same arguments.
+template <class Sync>
+std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, const Dataset* test,
+                               const TrainConfig& cfg, const Progress& progress = {}) {
+  std::vector<std::pair<gradsync::GradId, gradsync::GradId>> ids;  // per layer: weights, bias
+  for (std::size_t l = 0; l < model.layers().size(); ++l) {
+    Layer& L = model.layers()[l];
+    ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", gradsync::view(L.gw)),
+                     sync.add("fc" + std::to_string(l + 1) + ".bias", gradsync::view(L.gb)));
+  }
+  const auto ranks = static_cast<std::size_t>(sync.size());
+  const auto rank = static_cast<std::size_t>(sync.rank());
+  const std::size_t global = cfg.batch * ranks;
+  std::size_t steps = data.count / global;
+  if (cfg.max_steps) steps = std::min(steps, cfg.max_steps);
+  std::vector<std::size_t> order(data.count);
+  std::vector<float> x(cfg.batch * data.pixels);
+  std::vector<std::uint8_t> y(cfg.batch);
+  std::vector<EpochReport> reports;
+  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::mt19937_64 shuffle(cfg.seed * 1000003u + static_cast<std::uint64_t>(epoch));
+    std::shuffle(order.begin(), order.end(), shuffle);
+    EpochReport report{.epoch = epoch, .steps = steps};
+    double loss_sum = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (std::size_t step = 0; step < steps; ++step) {
+      for (std::size_t s = 0; s < cfg.batch; ++s) {
+        const std::size_t sample = order[step * global + rank * cfg.batch + s];
+        std::copy_n(data.images.begin() + static_cast<std::ptrdiff_t>(sample * data.pixels), data.pixels,
+                    x.begin() + static_cast<std::ptrdiff_t>(s * data.pixels));
+        y[s] = data.labels[sample];
+      }
+      loss_sum += model.train_step(x.data(), y.data(), cfg.batch, [&](std::size_t l) {
+        sync.ready(ids[l].first);
+        sync.ready(ids[l].second);
+      });
+      sync.wait();
+      model.sgd_step(cfg.learning_rate, cfg.momentum);
+      report.exposed_seconds += std::chrono::duration<double>(sync.last_iteration().exposed).count();
+      report.bytes_sent += sync.last_iteration().bytes_sent;
+      if (progress) {
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        progress(epoch, step + 1, steps, static_cast<double>((step + 1) * global) / elapsed,
+                 loss_sum / static_cast<double>(step + 1));
+      }
+    }
+    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    report.samples_per_second = static_cast<double>(steps * global) / report.seconds;
+    report.loss = steps ? loss_sum / static_cast<double>(steps) : 0;
+    if (test)
+      report.test_accuracy =
+          static_cast<double>(model.correct(test->images.data(), test->labels.data(), test->count)) /
+          static_cast<double>(test->count);
+    reports.push_back(report);
+  }
+  return reports;
+}
+
+}  // namespace fmnist
