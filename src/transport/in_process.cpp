@@ -110,15 +110,8 @@ void InProcess::post(Request& r, bool is_send, int peer, std::uint64_t tag, cons
   if (r.state_.load(std::memory_order_acquire) == Request::State::pending)
     throw Error(ErrorKind::invalid_argument, {.rank = rank_, .peer = peer, .operation = operation},
                 "request reused while still pending");
-  r.is_send_ = is_send;
+  r.start(is_send, peer, tag, source, destination, size);
   r.owner_ = rank_;
-  r.peer_ = peer;
-  r.tag_ = tag;
-  r.source_ = source;
-  r.destination_ = destination;
-  r.size_ = size;
-  r.transferred_ = 0;
-  r.error_.reset();
   r.state_.store(Request::State::pending, std::memory_order_relaxed);
 
   // A send lives in the receiver's mailbox; a receive in our own.

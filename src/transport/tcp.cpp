@@ -99,14 +99,7 @@ class TcpEngine {
     if (aborted_) throw aborted_->filled(where(peer, operation));
     Peer& p = peers_[static_cast<std::size_t>(peer)];
     if (p.failure) throw *p.failure;
-    r.is_send_ = is_send;
-    r.peer_ = peer;
-    r.tag_ = tag;
-    r.source_ = source;
-    r.destination_ = destination;
-    r.size_ = size;
-    r.transferred_ = 0;
-    r.error_.reset();
+    r.start(is_send, peer, tag, source, destination, size);
     r.state_ = Request::State::pending;
     if (peer == options_.rank) return post_to_self(r);
     if (is_send) {

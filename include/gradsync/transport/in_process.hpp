@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/transport/operation.hpp"
 
 namespace gradsync::detail {
 template <class Request>
@@ -32,7 +33,7 @@ struct InProcessWorld;
 class InProcess {
  public:
   // One pending send or receive. Lives wherever the caller keeps it; must not move while pending.
-  class Request {
+  class Request : private detail::Operation<Request> {
    public:
     Request() = default;
     Request(const Request&) = delete;
@@ -43,18 +44,8 @@ class InProcess {
     template <class>
     friend class gradsync::detail::IntrusiveQueue;
     friend class InProcess;
-    enum class State : std::uint8_t { idle, pending, done, failed };
-    std::atomic<State> state_{State::idle};
-    Request* next_ = nullptr;  // intrusive link in a mailbox queue
-    bool is_send_ = false;
-    int owner_ = -1;  // the rank that posted it
-    int peer_ = -1;
-    std::uint64_t tag_ = 0;
-    const std::byte* source_ = nullptr;
-    std::byte* destination_ = nullptr;
-    std::size_t size_ = 0;  // bytes offered (send) or capacity (recv)
-    std::size_t transferred_ = 0;
-    std::optional<Error> error_;
+    std::atomic<State> state_{State::idle};  // completions come from other ranks' threads
+    int owner_ = -1;                         // the rank that posted it
   };
 
   // `size` connected endpoints; endpoint i is rank i.

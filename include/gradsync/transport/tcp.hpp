@@ -24,6 +24,7 @@
 #include <string>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/transport/operation.hpp"
 
 namespace gradsync::detail {
 template <class Request>
@@ -52,7 +53,7 @@ struct TcpOptions {
 
 class Tcp {
  public:
-  class Request {
+  class Request : private detail::Operation<Request> {
    public:
     Request() = default;
     Request(const Request&) = delete;
@@ -62,17 +63,7 @@ class Tcp {
     friend class detail::TcpEngine;
     template <class>
     friend class gradsync::detail::IntrusiveQueue;
-    enum class State : std::uint8_t { idle, pending, done, failed };
     State state_ = State::idle;  // guarded by the engine's lock
-    Request* next_ = nullptr;
-    bool is_send_ = false;
-    int peer_ = -1;
-    std::uint64_t tag_ = 0;
-    const std::byte* source_ = nullptr;
-    std::byte* destination_ = nullptr;
-    std::size_t size_ = 0;
-    std::size_t transferred_ = 0;
-    std::optional<Error> error_;
   };
 
   // Connects this rank to all others; returns once every connection is authenticated. Throws

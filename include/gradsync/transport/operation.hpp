@@ -1,0 +1,40 @@
+#pragma once
+// What a transport records about one posted send or receive. Each transport's Request derives
+// from Operation<Request> and adds what only it needs (its state, kept the way its locking wants).
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "gradsync/error.hpp"
+
+namespace gradsync::transport::detail {
+
+template <class Request>
+struct Operation {
+  enum class State : std::uint8_t { idle, pending, done, failed };
+
+  Request* next_ = nullptr;  // intrusive link in the transport's queues
+  bool is_send_ = false;
+  int peer_ = -1;
+  std::uint64_t tag_ = 0;
+  const std::byte* source_ = nullptr;  // a send's bytes
+  std::byte* destination_ = nullptr;   // a receive's buffer
+  std::size_t size_ = 0;               // bytes offered (send) or room (receive)
+  std::size_t transferred_ = 0;
+  std::optional<Error> error_;
+
+  void start(bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
+             std::size_t size) {
+    is_send_ = is_send;
+    peer_ = peer;
+    tag_ = tag;
+    source_ = source;
+    destination_ = destination;
+    size_ = size;
+    transferred_ = 0;
+    error_.reset();
+  }
+};
+
+}  // namespace gradsync::transport::detail
