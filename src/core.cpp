@@ -16,6 +16,7 @@ std::string_view to_string(ErrorKind kind) noexcept {
     case ErrorKind::peer_failed: return "peer failed";
     case ErrorKind::protocol: return "protocol error";
     case ErrorKind::unsupported: return "unsupported";
+    case ErrorKind::internal: return "internal error";
   }
   return "error";
 }

@@ -1,8 +1,11 @@
 #include "gradsync/launch/environment.hpp"
 
+#include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -30,17 +33,47 @@ constexpr Family families[] = {
 
 Error bad(std::string detail) { return Error(ErrorKind::invalid_argument, {.operation = "launch"}, std::move(detail)); }
 
-// A whole decimal number; Slurm's "4(x2)" task counts are read up to the parenthesis.
-long long number(const Environment& env, const char* name, bool leading_only = false) {
+// A whole decimal number.
+long long number(const Environment& env, const char* name) {
   const auto text = env(name);
   if (!text) throw bad(fmt::format("{} is not set", name));
   long long value = 0;
   const char* first = text->data();
   const char* last = first + text->size();
   const auto [end, error] = std::from_chars(first, last, value);
-  if (error != std::errc() || end == first || (end != last && !leading_only) || value < 0)
+  if (error != std::errc() || end == first || end != last || value < 0)
     throw bad(fmt::format("{}={:?} is not a non-negative whole number", name, *text));
   return value;
+}
+
+// SLURM_TASKS_PER_NODE lists every node's task count, runs compressed: "4(x2),2" is 4, 4, 2.
+// This node's entry is number SLURM_NODEID (which may be left out when all nodes agree).
+long long slurm_tasks_on_this_node(const Environment& env) {
+  const std::string text = env("SLURM_TASKS_PER_NODE").value_or("");
+  std::vector<long long> per_node;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const auto comma = std::min(text.find(',', at), text.size());
+    long long tasks = 0, repeat = 1;
+    const std::string item = text.substr(at, comma - at);
+    const bool plain = !item.empty() && item.find_first_not_of("0123456789") == std::string::npos &&
+                       std::sscanf(item.c_str(), "%lld", &tasks) == 1;
+    const bool run = !plain && std::sscanf(item.c_str(), "%lld(x%lld)", &tasks, &repeat) == 2 &&
+                     item == fmt::format("{}(x{})", tasks, repeat);
+    if ((!plain && !run) || tasks < 1 || repeat < 1 || per_node.size() + static_cast<std::size_t>(repeat) > (1u << 20))
+      throw bad(fmt::format("SLURM_TASKS_PER_NODE={:?} is not a list like \"4(x2),2\"", text));
+    per_node.insert(per_node.end(), static_cast<std::size_t>(repeat), tasks);
+    at = comma + 1;
+  }
+  const bool uniform = std::all_of(per_node.begin(), per_node.end(), [&](long long t) { return t == per_node[0]; });
+  if (!env("SLURM_NODEID")) {
+    if (uniform) return per_node[0];
+    throw bad(fmt::format("SLURM_TASKS_PER_NODE={:?} differs between nodes and SLURM_NODEID is not set", text));
+  }
+  const long long node = number(env, "SLURM_NODEID");
+  if (node >= static_cast<long long>(per_node.size()))
+    throw bad(fmt::format("SLURM_NODEID={} but SLURM_TASKS_PER_NODE={:?} lists {} nodes", node, text, per_node.size()));
+  return per_node[static_cast<std::size_t>(node)];
 }
 
 }  // namespace
@@ -76,7 +109,9 @@ Launch from_environment(const Environment& env) {
                           has_local_rank ? family->local_size : family->local_rank));
   if (has_local_rank) {
     const long long local_rank = number(env, family->local_rank);
-    const long long local_size = number(env, family->local_size, /*leading_only=*/true);
+    const long long local_size = std::string_view(family->local_size) == "SLURM_TASKS_PER_NODE"
+                                     ? slurm_tasks_on_this_node(env)
+                                     : number(env, family->local_size);
     if (local_size < 1 || local_size > size)
       throw bad(fmt::format("{}={} does not fit a world of {}", family->local_size, local_size, size));
     if (local_rank >= local_size)

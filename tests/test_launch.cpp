@@ -9,6 +9,8 @@
 #include "gradsync/error.hpp"
 #include "gradsync/launch/environment.hpp"
 
+#include <fmt/format.h>
+
 using namespace gradsync;
 
 namespace {
@@ -91,6 +93,20 @@ TEST_SUITE("launch") {
     CHECK(l.rank == 7);
     CHECK(l.local_rank == 3);
     CHECK(l.local_world_size == 4);
+
+    // Uneven nodes: this node's entry of the compressed list, by SLURM_NODEID.
+    slurm["SLURM_TASKS_PER_NODE"] = "4(x2),2";
+    slurm["SLURM_NODEID"] = "2";
+    slurm["SLURM_LOCALID"] = "1";
+    CHECK(launch::from_environment(env(slurm)).local_world_size == 2);
+    slurm["SLURM_NODEID"] = "1";
+    CHECK(launch::from_environment(env(slurm)).local_world_size == 4);
+    slurm.erase("SLURM_NODEID");
+    CHECK(error_of(slurm) == R"(SLURM_TASKS_PER_NODE="4(x2),2" differs between nodes and SLURM_NODEID is not set)");
+    for (const char* broken : {"4(x", "4abc", "", "4,,2", "0"}) {
+      slurm["SLURM_TASKS_PER_NODE"] = broken;
+      CHECK(error_of(slurm) == fmt::format(R"(SLURM_TASKS_PER_NODE={:?} is not a list like "4(x2),2")", broken));
+    }
 
     // srun starting torchrun: SLURM_PROCID is the node, RANK the global rank; RANK wins.
     auto both = torchrun;

@@ -286,5 +286,12 @@ TEST_SUITE("tcp") {
     alone.send(s, 0, 5, out);
     CHECK(alone.wait(r, std::chrono::steady_clock::now() + 1s) == 4);
     CHECK(in == out);
+    // A receive from ourselves that nothing matches times out and is withdrawn.
+    std::array<std::byte, 4> late{};
+    alone.recv(r, 0, 6, late);
+    CHECK_THROWS_AS(alone.wait(r, std::chrono::steady_clock::now() + 20ms), Error);
+    alone.send(s, 0, 6, out);
+    CHECK_FALSE(alone.test(s));
+    CHECK(late == std::array<std::byte, 4>{});
   }
 }

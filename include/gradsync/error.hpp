@@ -18,6 +18,7 @@ enum class ErrorKind : std::uint8_t {
   peer_failed,       // another rank failed or went away; this rank cannot go on
   protocol,          // a message had the wrong size, version or contents
   unsupported,       // valid request this build or policy cannot serve
+  internal,          // something below gradsync failed (out of memory, a policy threw)
 };
 
 std::string_view to_string(ErrorKind kind) noexcept;

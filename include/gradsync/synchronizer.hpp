@@ -125,7 +125,7 @@ class Synchronizer {
     std::unique_lock lock(mutex_);
     bool past_deadline = false;
     for (;;) {
-      if (error_) throw *error_;
+      if (error_) throw_when_released(lock);
       if (done_) break;
       if (past_deadline) {
         // Every gradient was marked ready: the exchange's own timeouts will end this wait.
@@ -133,10 +133,10 @@ class Synchronizer {
       } else if (done_cv_.wait_until(lock, deadline) == std::cv_status::timeout && !done_ && !error_) {
         past_deadline = true;
         if (order_size_.load() < layout_.size()) {
-          Error e = never_ready_error();
+          const Error e = never_ready_error();
           lock.unlock();
           fail(e);
-          throw e;
+          lock.lock();
         }
       }
     }
@@ -148,7 +148,7 @@ class Synchronizer {
   bool try_wait() {
     freeze();
     std::unique_lock lock(mutex_);
-    if (error_) throw *error_;
+    if (error_) throw_when_released(lock);
     if (!done_) return false;
     next_iteration(std::chrono::nanoseconds{0});
     return true;
@@ -187,8 +187,8 @@ class Synchronizer {
   }
 
   [[noreturn]] void rethrow() {
-    std::lock_guard lock(mutex_);
-    throw *error_;
+    std::unique_lock lock(mutex_);
+    throw_when_released(lock);
   }
 
   // The first ready() or wait(): the layout is final, so the plan is built and the thread started.
@@ -201,7 +201,7 @@ class Synchronizer {
       order_.resize(n);
       ready_time_.resize(n);
       install(bucketing_.initial_plan(layout_));
-      thread_ = std::thread([this] { communicate(); });
+      thread_ = std::thread([this] { communicate_then_exit(); });
       frozen_.store(true, std::memory_order_release);
     });
   }
@@ -271,7 +271,24 @@ class Synchronizer {
       // Every rank learns of a layout mismatch from the same verdict; aborting the transport
       // would only turn the others' clear message into "peer failed".
       fail(e, e.kind() != ErrorKind::mismatch);
+    } catch (const std::exception& e) {
+      fail(Error(ErrorKind::internal, here("communication thread"), e.what()));
     }
+  }
+
+  // The communication thread's whole life: it marks its exit so that wait() never returns an
+  // error while the thread may still touch the caller's gradients.
+  void communicate_then_exit() {
+    communicate();
+    std::lock_guard lock(mutex_);
+    exited_ = true;
+    done_cv_.notify_all();
+  }
+
+  // Called with the lock held, once an error is recorded.
+  [[noreturn]] void throw_when_released(std::unique_lock<std::mutex>& lock) {
+    done_cv_.wait(lock, [&] { return exited_; });
+    throw *error_;
   }
 
   // Sleeps until bucket `b` is complete, waking for the bucketing policy's deadline on the way.
@@ -356,20 +373,22 @@ class Synchronizer {
     work_cv_.notify_all();
   }
 
-  // Records the first failure, wakes everyone, and (unless they already know) makes the other
-  // ranks fail fast.
+  // Makes the other ranks fail fast (unless they already know), then records the first failure
+  // and wakes everyone. The transport is aborted first: once abort() returns it holds no buffer
+  // of ours, so nothing reads or writes a gradient after wait() has thrown.
   void fail(const Error& e, bool tell_peers = true) {
-    Error first = e;
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    if (tell_peers) transport_.abort(e);
     {
       std::lock_guard lock(mutex_);
       if (!error_) error_ = e;
-      first = *error_;
       failed_.store(true, std::memory_order_release);
-      stop_ = true;
     }
     done_cv_.notify_all();
-    work_cv_.notify_all();
-    if (tell_peers) transport_.abort(first);
   }
 
   Error never_ready_error() const {
@@ -462,12 +481,16 @@ class Synchronizer {
       if (at >= words.size()) throw malformed();
       return words[at++];
     };
+    // Every count is checked against the words left before anything is sized by it.
+    const auto count = [&] {
+      const std::uint32_t n = next();
+      if (n > words.size() - at) throw malformed();
+      return n;
+    };
     BucketPlan plan;
-    plan.buckets.resize(next());
-    if (plan.buckets.size() > words.size()) throw malformed();
+    plan.buckets.resize(count());
     for (auto& ids : plan.buckets) {
-      ids.resize(next());
-      if (ids.size() > words.size() - at) throw malformed();
+      ids.resize(count());
       for (GradId& id : ids) id = next();
     }
     if (at != words.size()) throw malformed();
@@ -513,6 +536,7 @@ class Synchronizer {
   bool done_ = false;                // this iteration's buckets are all averaged
   bool stop_ = false;
   bool idle_ = false;                // the communication thread is waiting for work
+  bool exited_ = false;              // the communication thread has returned
   std::uint64_t generation_ = 0;     // bumped by wait(), releases the communication thread
   std::optional<Error> error_;
   std::atomic<bool> failed_{false};

@@ -63,11 +63,12 @@ struct InProcessWorld {
   // fails both with the same explanation.
   void transfer(Request& send, Request& receive) {
     if (send.size_ > receive.size_) {
+      // Everything is read before either request is handed back: its owner may reuse it at once.
+      const int sender = send.owner_, receiver = receive.owner_;
       const auto detail = fmt::format("message of {} bytes (tag {:#x}) does not fit the {}-byte receive", send.size_,
                                       send.tag_, receive.size_);
-      fail(send, Error(ErrorKind::protocol, {.rank = send.owner_, .peer = receive.owner_, .operation = "send"}, detail));
-      fail(receive,
-           Error(ErrorKind::protocol, {.rank = receive.owner_, .peer = send.owner_, .operation = "recv"}, detail));
+      fail(send, Error(ErrorKind::protocol, {.rank = sender, .peer = receiver, .operation = "send"}, detail));
+      fail(receive, Error(ErrorKind::protocol, {.rank = receiver, .peer = sender, .operation = "recv"}, detail));
       return;
     }
     if (send.size_ != 0) std::memcpy(receive.destination_, send.source_, send.size_);

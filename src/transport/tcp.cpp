@@ -132,9 +132,12 @@ class TcpEngine {
     const Error timeout(ErrorKind::timeout, where(r.peer_, r.is_send_ ? "send" : "recv"),
                         fmt::format("no progress on a {} of {} bytes (tag {:#x}) with rank {} before the deadline",
                                     r.is_send_ ? "send" : "receive", r.size_, r.tag_, r.peer_));
-    // A receive nobody has started filling can simply be withdrawn; anything already on the wire
-    // cannot, so the connection to that peer is given up.
-    if (!r.is_send_ && peers_[static_cast<std::size_t>(r.peer_)].receives.remove(&r)) {
+    // A message to ourselves, or a receive nobody has started filling, is simply withdrawn;
+    // anything already on the wire cannot be, so the connection to that peer is given up.
+    const bool withdrawn = r.peer_ == options_.rank
+                               ? (r.is_send_ ? self_sends_ : self_receives_).remove(&r)
+                               : !r.is_send_ && peers_[static_cast<std::size_t>(r.peer_)].receives.remove(&r);
+    if (withdrawn) {
       r.state_ = Request::State::idle;
       throw timeout;
     }
@@ -144,19 +147,23 @@ class TcpEngine {
   }
 
   void abort(const Error& cause) {
+    std::shared_future<void> closed;
     {
       std::lock_guard lock(mutex_);
-      if (aborted_) return;
-      aborted_ = cause;
+      if (!aborted_) {
+        aborted_ = cause;
+        // Tell every peer why, then close, on the io thread; every caller waits for that, so
+        // that no socket still reads into or writes from a buffer the caller is about to free.
+        auto done = std::make_shared<std::promise<void>>();
+        aborted_closed_ = done->get_future().share();
+        asio::post(io_, [this, done] {
+          send_abort_notices();
+          done->set_value();
+        });
+      }
+      closed = aborted_closed_;
     }
-    // Tell every peer why, then close; wait for the io thread so that no socket still reads
-    // into or writes from a buffer the caller is about to free.
-    std::promise<void> closed;
-    asio::post(io_, [this, &closed] {
-      send_abort_notices();
-      closed.set_value();
-    });
-    closed.get_future().wait();
+    closed.wait();
   }
 
  private:
@@ -246,9 +253,10 @@ class TcpEngine {
     c.out_header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::data, r->tag_, r->size_});
     const std::array<asio::const_buffer, 2> buffers{asio::buffer(c.out_header), asio::buffer(r->source_, r->size_)};
     asio::async_write(c.socket, buffers, [this, &c, r](const error_code& ec, std::size_t) {
-      if (ec) return connection_broke(c, r->peer_, ec);
+      if (ec) return connection_broke(c, c.peer, ec);
       {
         std::lock_guard lock(mutex_);
+        if (c.sending != r) return;  // failed and handed back meanwhile: not ours to touch
         c.sending = nullptr;
         finish(*r, r->size_);
       }
@@ -301,9 +309,10 @@ class TcpEngine {
       if (!target) return;  // failed meanwhile
       asio::async_read(c.socket, asio::buffer(target->destination_, length),
                        [this, &c, target, length](const error_code& ec, std::size_t) {
-                         if (ec) return connection_broke(c, target->peer_, ec);
+                         if (ec) return connection_broke(c, c.peer, ec);
                          {
                            std::lock_guard lock(mutex_);
+                           if (c.receiving != target) return;  // failed and handed back meanwhile
                            c.receiving = nullptr;
                            finish(*target, length);
                          }
@@ -355,6 +364,7 @@ class TcpEngine {
     p.failure = e;
     p.receives.drain([&](Request* r) { fail(*r, e); });
     for (auto& c : p.connections) {
+      if (!c) continue;  // this rank's own entry has no sockets
       c->queue.drain([&](Request* r) { fail(*r, e); });
       if (c->sending) fail(*c->sending, e);
       if (c->receiving) fail(*c->receiving, e);
@@ -692,6 +702,7 @@ class TcpEngine {
   std::vector<Peer> peers_;
   IntrusiveQueue<Request> self_sends_, self_receives_;
   std::optional<Error> aborted_;
+  std::shared_future<void> aborted_closed_;  // ready once abort() has let go of every buffer
   std::thread io_thread_;
 };
 
