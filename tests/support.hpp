@@ -53,7 +53,7 @@ inline std::vector<float> random_values(std::size_t n, std::uint64_t seed) {
 // decode(encode(v)) for one value: what a value looks like after one trip through the codec.
 template <class C>
 float through(const C& codec, float v) {
-  auto state = codec.make_state(1);
+  auto state = codec.make_state(1, DType::f32);
   std::array<std::byte, 8> buffer{};
   const std::size_t used = codec.encode(std::span<const float>(&v, 1), state, buffer);
   float out = 0;

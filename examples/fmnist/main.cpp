@@ -1,7 +1,7 @@
 // fmnist — data-parallel training of an MLP on Fashion-MNIST through gradsync.
 //
 //   gradsync-run -n 4 fmnist [--epochs E] [--batch B] [--lr R] [--bucketing fixed-size|per-tensor]
-//                            [--codec none|fp16|bf16] [--hidden 256,128] [--steps S] [--data DIR]
+//                            [--codec NAME] [--hidden 256,128] [--steps S] [--data DIR]
 //                            [--json PATH] [--seed N]
 //
 // One process per rank over TCP, placed by the launcher's variables; run without a launcher it
@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 #include <fmt/os.h>
 
+#include "codec_by_name.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "trainer.hpp"
@@ -36,8 +37,9 @@ struct Options {
 
 constexpr const char* usage =
     "usage: fmnist [--epochs E] [--batch B] [--lr R] [--momentum M] [--bucketing fixed-size|per-tensor]\n"
-    "              [--codec none|fp16|bf16] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]\n"
-    "Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.\n";
+    "              [--codec NAME] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]\n"
+    "Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.\n"
+    "Codecs: none, fp16, bf16, two-bit, one-bit, ef-two-bit, ef-one-bit.\n";
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -70,8 +72,6 @@ Options parse(int argc, char** argv) {
   }
   if (o.train.epochs < 1 || o.train.batch < 1 || o.hidden.empty())
     throw std::invalid_argument("--epochs and --batch must be positive and --hidden must list at least one layer");
-  if (o.codec != "none" && o.codec != "fp16" && o.codec != "bf16")
-    throw std::invalid_argument("--codec must be none, fp16 or bf16");
   if (o.bucketing != "fixed-size" && o.bucketing != "per-tensor")
     throw std::invalid_argument("--bucketing must be fixed-size or per-tensor");
   return o;
@@ -158,9 +158,7 @@ int run(const Options& o) {
 
 template <class Bucketing>
 int with_codec(const Options& o) {
-  if (o.codec == "fp16") return run<Bucketing, gs::compression::Fp16>(o);
-  if (o.codec == "bf16") return run<Bucketing, gs::compression::Bf16>(o);
-  return run<Bucketing, gs::compression::None>(o);
+  return gradsync_examples::with_codec(o.codec, [&]<class Codec>() { return run<Bucketing, Codec>(o); });
 }
 
 }  // namespace

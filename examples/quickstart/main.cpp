@@ -3,7 +3,7 @@
 // Synchronizer layer by layer as backward produces them, waits for the averages, and steps. At
 // the end every rank must hold bit-identical parameters.
 //
-//   quickstart [--ranks N] [--steps S] [--codec none|fp16|bf16] [--bucketing fixed-size|per-tensor]
+//   quickstart [--ranks N] [--steps S] [--codec NAME] [--bucketing fixed-size|per-tensor]
 
 #include <barrier>
 #include <chrono>
@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "codec_by_name.hpp"
 #include "gradsync/gradsync.hpp"
 
 namespace {
@@ -158,9 +159,7 @@ int run(const Config& cfg) {
 
 template <class Bucketing>
 int with_codec(const Config& cfg) {
-  if (cfg.codec == "fp16") return run<Bucketing, gs::compression::Fp16>(cfg);
-  if (cfg.codec == "bf16") return run<Bucketing, gs::compression::Bf16>(cfg);
-  return run<Bucketing, gs::compression::None>(cfg);
+  return gradsync_examples::with_codec(cfg.codec, [&]<class Codec>() { return run<Bucketing, Codec>(cfg); });
 }
 
 }  // namespace
@@ -178,11 +177,9 @@ int main(int argc, char** argv) try {
     else if (arg == "--codec") cfg.codec = value();
     else if (arg == "--bucketing") cfg.bucketing = value();
     else throw std::invalid_argument("unknown option " + arg +
-                                     "; use --ranks N --steps S --codec none|fp16|bf16 --bucketing fixed-size|per-tensor");
+                                     "; use --ranks N --steps S --codec NAME --bucketing fixed-size|per-tensor");
   }
   if (cfg.ranks < 1 || cfg.steps < 1) throw std::invalid_argument("--ranks and --steps must be positive");
-  if (cfg.codec != "none" && cfg.codec != "fp16" && cfg.codec != "bf16")
-    throw std::invalid_argument("--codec must be none, fp16 or bf16");
   if (cfg.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(cfg);
   if (cfg.bucketing == "fixed-size") return with_codec<gs::bucketing::FixedSize>(cfg);
   throw std::invalid_argument("--bucketing must be fixed-size or per-tensor");

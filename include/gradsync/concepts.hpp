@@ -59,7 +59,8 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 // CompressionPolicy: a codec for contiguous runs of f32 or f64 values.
 //
 //   State                     per-site state (an error-feedback residual, a random stream);
-//                             make_state(n) builds it for a site that encodes n values. Stateless
+//                             make_state(n, t) builds it for a site that encodes n values of
+//                             accumulation dtype t, when the plan is installed. Stateless
 //                             codecs use an empty struct. The Synchronizer keeps one per encode
 //                             site and never shares it between sites.
 //   identity                  encoded bytes are the values themselves (no work to encode/decode;
@@ -81,7 +82,7 @@ concept CompressionPolicy = std::copyable<C> &&
       { C::lossless } -> std::convertible_to<bool>;
       { C::summable } -> std::convertible_to<bool>;
       { c.describe() } -> std::convertible_to<std::string>;
-      { c.make_state(n) } -> std::same_as<typename C::State>;
+      { c.make_state(n, dtype) } -> std::same_as<typename C::State>;
       { c.max_encoded_bytes(n, dtype) } -> std::same_as<std::size_t>;
       { c.encode(f32_in, state, encoded_out) } -> std::same_as<std::size_t>;
       { c.encode(f64_in, state, encoded_out) } -> std::same_as<std::size_t>;

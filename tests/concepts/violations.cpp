@@ -10,7 +10,7 @@ struct CodecWithoutDecode {  // has everything but decode()
   struct State {};
   static constexpr bool identity = false, lossless = true, summable = false;
   std::string describe() const { return "broken"; }
-  State make_state(std::size_t) const { return {}; }
+  State make_state(std::size_t, gs::DType) const { return {}; }
   std::size_t max_encoded_bytes(std::size_t n, gs::DType) const { return n; }
   template <class T>
   std::size_t encode(std::span<const T>, State&, std::span<std::byte>) const { return 0; }

@@ -17,7 +17,7 @@ struct None {
   static constexpr bool summable = true;
 
   std::string describe() const { return "none"; }
-  State make_state(std::size_t) const { return {}; }
+  State make_state(std::size_t, DType) const { return {}; }
   std::size_t max_encoded_bytes(std::size_t n, DType dtype) const { return n * size_of(dtype); }
 
   template <class T>

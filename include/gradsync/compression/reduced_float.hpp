@@ -24,7 +24,7 @@ struct ReducedFloat {
   static constexpr bool summable = false;
 
   std::string describe() const { return Format::name; }
-  State make_state(std::size_t) const { return {}; }
+  State make_state(std::size_t, DType) const { return {}; }
   std::size_t max_encoded_bytes(std::size_t n, DType) const { return n * sizeof(std::uint16_t); }
 
   template <class T>

@@ -53,7 +53,7 @@ class BucketExchange {
     scratch_ = detail::AlignedBuffer(total);
     states_.reserve(schedule_.steps.size());
     for (const Step& step : schedule_.steps)
-      states_.push_back(codec.make_state(step.op == Step::Op::encode ? step.range.size() : 0));
+      states_.push_back(codec.make_state(step.op == Step::Op::encode ? step.range.size() : 0, dtype));
   }
 
   const Schedule& schedule() const noexcept { return schedule_; }
