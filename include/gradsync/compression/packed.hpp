@@ -55,10 +55,23 @@ struct Packed {
     float parameter;
     std::memcpy(&parameter, in.data() + header_bytes, 4);
     const auto* word = reinterpret_cast<const std::uint32_t*>(in.data() + header_bytes + 4);
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto v = static_cast<T>(value((word[i / per_word] >> (Bits * (i % per_word))) & mask, parameter));
-      out[i] = mode == DecodeMode::add ? out[i] + v : v;
+    if (mode == DecodeMode::add)
+      unpack(word, n, [&](std::size_t i, std::uint32_t code) { out[i] += static_cast<T>(value(code, parameter)); });
+    else
+      unpack(word, n, [&](std::size_t i, std::uint32_t code) { out[i] = static_cast<T>(value(code, parameter)); });
+  }
+
+ private:
+  // Calls f(i, code) for every value, a word at a time, so the inner loop has no division,
+  // no bounds test and no mode test.
+  template <class F>
+  static void unpack(const std::uint32_t* word, std::size_t n, F f) {
+    const std::size_t full = n / per_word;
+    for (std::size_t w = 0; w < full; ++w) {
+      const std::uint32_t packed = word[w];
+      for (std::size_t i = 0; i < per_word; ++i) f(w * per_word + i, (packed >> (Bits * i)) & mask);
     }
+    for (std::size_t i = full * per_word; i < n; ++i) f(i, (word[full] >> (Bits * (i - full * per_word))) & mask);
   }
 };
 

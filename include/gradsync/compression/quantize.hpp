@@ -17,6 +17,6 @@ GRADSYNC_HD float two_bit_value(std::uint32_t code, float threshold) {
 
 // One bit a value: its sign (zero counts as positive).
 GRADSYNC_HD std::uint32_t sign_bit(float v) { return static_cast<std::uint32_t>(v >= 0.0f); }
-GRADSYNC_HD float sign_value(std::uint32_t bit, float scale) { return bit ? scale : -scale; }
+GRADSYNC_HD float sign_value(std::uint32_t bit, float scale) { return static_cast<float>(2 * static_cast<int>(bit) - 1) * scale; }
 
 }  // namespace gradsync::compression::quantize

@@ -1,0 +1,120 @@
+// bench/codecs — encode and decode throughput of every codec on this CPU (one thread), in GB/s of
+// f32 input, with the compression ratio.
+//
+//   codecs [--min-mib M] [--max-mib M] [--step-factor F] [--iters I] [--codec NAME] [--json PATH]
+//
+// Input is normally distributed (sigma 0.1, inside TwoBit's default threshold for most values,
+// as gradients are); each figure is the median of --iters runs after one warm-up. Error-feedback
+// variants include their residual update in the encode time.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/os.h>
+
+#include "codec_by_name.hpp"
+#include "gradsync/gradsync.hpp"
+
+namespace {
+
+using namespace gradsync;
+using Clock = std::chrono::steady_clock;
+
+struct Config {
+  std::size_t min_bytes = std::size_t{1} << 20;
+  std::size_t max_bytes = std::size_t{64} << 20;
+  std::size_t step_factor = 8;
+  int iters = 10;
+  std::vector<std::string> codecs{"none", "fp16", "bf16", "two-bit", "one-bit", "ef-two-bit", "ef-one-bit"};
+  std::string json;
+};
+
+struct Row {
+  std::string codec;
+  std::size_t bytes = 0;
+  double encode_GBps = 0, decode_GBps = 0, ratio = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <class Codec>
+Row measure(const std::string& name, std::size_t bytes, int iters) {
+  const std::size_t n = bytes / sizeof(float);
+  std::vector<float> input(n), output(n);
+  std::mt19937_64 gen(1);
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  for (float& v : input) v = normal(gen);
+  const Codec codec;
+  auto state = codec.make_state(n, DType::f32);
+  std::vector<std::byte> encoded(codec.max_encoded_bytes(n, DType::f32));
+  std::vector<double> encode_s, decode_s;
+  std::size_t used = 0;
+  for (int i = 0; i <= iters; ++i) {
+    const auto t0 = Clock::now();
+    used = codec.encode(std::span<const float>(input), state, encoded);
+    const auto t1 = Clock::now();
+    codec.decode(std::span<const std::byte>(encoded).first(used), std::span<float>(output), DecodeMode::overwrite);
+    const auto t2 = Clock::now();
+    if (i == 0) continue;  // warm-up: first touch of the buffers
+    encode_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    decode_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+  }
+  const double b = static_cast<double>(n * sizeof(float));
+  return {name, n * sizeof(float), b / median(encode_s) / 1e9, b / median(decode_s) / 1e9, b / static_cast<double>(used)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--min-mib") cfg.min_bytes = std::stoull(value()) << 20;
+    else if (arg == "--max-mib") cfg.max_bytes = std::stoull(value()) << 20;
+    else if (arg == "--step-factor") cfg.step_factor = std::stoull(value());
+    else if (arg == "--iters") cfg.iters = std::stoi(value());
+    else if (arg == "--codec") cfg.codecs = {value()};
+    else if (arg == "--json") cfg.json = value();
+    else throw std::invalid_argument("unknown option " + arg +
+                                     "; use --min-mib M --max-mib M --step-factor F --iters I --codec NAME --json PATH");
+  }
+  if (cfg.iters < 1 || cfg.step_factor < 2 || cfg.min_bytes == 0 || cfg.min_bytes > cfg.max_bytes)
+    throw std::invalid_argument("need iters >= 1, step-factor >= 2 and 0 < min-mib <= max-mib");
+  fmt::print("# gradsync codecs on the CPU, one thread, f32 input N(0, 0.1); median of {} runs\n#\n", cfg.iters);
+  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "codec", "size (B)", "encode", "decode", "ratio");
+  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "", "", "(GB/s)", "(GB/s)", "");
+  std::vector<Row> rows;
+  for (const std::string& name : cfg.codecs)
+    for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
+      const Row r = gradsync_examples::with_codec(name, [&]<class Codec>() { return measure<Codec>(name, bytes, cfg.iters); });
+      fmt::print("  {:>12} {:>12} {:>10.2f} {:>10.2f} {:>8.1f}\n", r.codec, r.bytes, r.encode_GBps, r.decode_GBps, r.ratio);
+      std::fflush(stdout);
+      rows.push_back(r);
+    }
+  if (!cfg.json.empty()) {
+    auto out = fmt::output_file(cfg.json);
+    out.print("[\n");
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      out.print(R"(  {{"codec": "{}", "bytes": {}, "device": "cpu", "encode_GBps": {:.3f}, "decode_GBps": {:.3f}, "ratio": {:.2f}}}{})"
+                "\n",
+                rows[i].codec, rows[i].bytes, rows[i].encode_GBps, rows[i].decode_GBps, rows[i].ratio,
+                i + 1 < rows.size() ? "," : "");
+    out.print("]\n");
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "codecs: %s\n", e.what());
+  return 2;
+}
