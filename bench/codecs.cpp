@@ -30,7 +30,8 @@ struct Config {
   std::size_t max_bytes = std::size_t{64} << 20;
   std::size_t step_factor = 8;
   int iters = 10;
-  std::vector<std::string> codecs{"none", "fp16", "bf16", "two-bit", "one-bit", "ef-two-bit", "ef-one-bit"};
+  std::vector<std::string> codecs{"none",     "fp16",       "bf16",       "two-bit",     "one-bit",  "terngrad",
+                                  "top-k",    "random-k",   "ef-two-bit", "ef-one-bit", "ef-top-k",    "ef-random-k"};
   std::string json;
 };
 
@@ -46,13 +47,12 @@ double median(std::vector<double> v) {
 }
 
 template <class Codec>
-Row measure(const std::string& name, std::size_t bytes, int iters) {
+Row measure(const std::string& name, std::size_t bytes, int iters, const Codec& codec) {
   const std::size_t n = bytes / sizeof(float);
   std::vector<float> input(n), output(n);
   std::mt19937_64 gen(1);
   std::normal_distribution<float> normal(0.0f, 0.1f);
   for (float& v : input) v = normal(gen);
-  const Codec codec;
   auto state = codec.make_state(n, DType::f32);
   std::vector<std::byte> encoded(codec.max_encoded_bytes(n, DType::f32));
   std::vector<double> encode_s, decode_s;
@@ -98,7 +98,7 @@ int main(int argc, char** argv) try {
   std::vector<Row> rows;
   for (const std::string& name : cfg.codecs)
     for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
-      const Row r = gradsync_examples::with_codec(name, [&]<class Codec>() { return measure<Codec>(name, bytes, cfg.iters); });
+      const Row r = gradsync_examples::with_codec(name, {}, [&](const auto& codec) { return measure(name, bytes, cfg.iters, codec); });
       fmt::print("  {:>12} {:>12} {:>10.2f} {:>10.2f} {:>8.1f}\n", r.codec, r.bytes, r.encode_GBps, r.decode_GBps, r.ratio);
       std::fflush(stdout);
       rows.push_back(r);

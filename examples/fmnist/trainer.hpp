@@ -21,8 +21,11 @@ namespace fmnist {
 struct TrainConfig {
   int epochs = 1;
   std::size_t batch = 16;  // per rank
-  float learning_rate = 0.02f;
-  float momentum = 0.9f;
+  // Chosen with the codecs in mind: with momentum 0.9, error-feedback codecs lose 2-16 points
+  // of one-epoch accuracy against f32; at 0.5 (and a larger rate) they stay within one, and f32
+  // itself does as well as before (results/README.md).
+  float learning_rate = 0.1f;
+  float momentum = 0.5f;
   std::uint64_t seed = 1;
   std::size_t max_steps = 0;  // per epoch; 0: the whole training set
 };

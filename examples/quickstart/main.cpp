@@ -121,7 +121,7 @@ void train_rank(Sync& sync, const Config& cfg, const Teacher& teacher, std::barr
 }
 
 template <class Bucketing, class Codec>
-int run(const Config& cfg) {
+int run(const Config& cfg, const Codec& codec) {
   using Sync = gs::Synchronizer<Bucketing, Codec, gs::topology::Ring, gs::transport::InProcess>;
   std::mt19937 gen(42);
   const Teacher teacher(gen);
@@ -132,7 +132,7 @@ int run(const Config& cfg) {
   std::vector<std::thread> threads;
   for (int r = 0; r < cfg.ranks; ++r)
     threads.emplace_back([&, r] {
-      Sync sync(std::move(world[static_cast<std::size_t>(r)]));
+      Sync sync(std::move(world[static_cast<std::size_t>(r)]), {}, {}, codec);
       train_rank(sync, cfg, teacher, step_end, losses, results[static_cast<std::size_t>(r)]);
     });
   for (auto& t : threads) t.join();
@@ -159,7 +159,8 @@ int run(const Config& cfg) {
 
 template <class Bucketing>
 int with_codec(const Config& cfg) {
-  return gradsync_examples::with_codec(cfg.codec, [&]<class Codec>() { return run<Bucketing, Codec>(cfg); });
+  return gradsync_examples::with_codec(cfg.codec, {},
+                                       [&](const auto& codec) { return run<Bucketing>(cfg, codec); });
 }
 
 }  // namespace

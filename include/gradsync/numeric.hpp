@@ -34,6 +34,26 @@ GRADSYNC_HD float float_of(std::uint32_t u) {
 #endif
 }
 
+// Single float operations, each rounded on its own: nvcc would otherwise fuse a multiply and an
+// add into one FMA on the device (one rounding instead of two) and a kernel's results would no
+// longer match the host's bit for bit. (Host code is built with ISO C++, where GCC and Clang do
+// not contract.)
+GRADSYNC_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+GRADSYNC_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 // IEEE binary16, round to nearest even; overflow goes to infinity, NaN stays NaN.
 GRADSYNC_HD std::uint16_t f16_bits(float value) {
   std::uint32_t x = bits_of(value);

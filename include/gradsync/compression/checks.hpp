@@ -37,7 +37,7 @@ namespace gradsync::compression {
 // Every encoding that is not the raw values begins with 8 bytes: u8 codec id, u8 format version,
 // u16 zero, u32 value count (little-endian), so a decoder can tell a wrong codec, an old format or
 // a count that does not match its destination before it reads a payload.
-enum class CodecId : std::uint8_t { two_bit = 3, one_bit = 4 };
+enum class CodecId : std::uint8_t { two_bit = 3, one_bit = 4, terngrad = 5, top_k = 6, random_k = 7 };
 inline constexpr std::size_t header_bytes = 8;
 inline constexpr std::uint8_t format_version = 1;
 

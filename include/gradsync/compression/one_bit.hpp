@@ -28,15 +28,18 @@ struct OneBit {
 
   template <class T>
   std::size_t encode(std::span<const T> values, State&, std::span<std::byte> out) const {
-    T magnitude = 0;
-    for (T v : values) magnitude += std::abs(v);
-    const float scale = values.empty() ? 0.0f : static_cast<float>(magnitude / static_cast<T>(values.size()));
-    return Packed<1>::encode(CodecId::one_bit, "one-bit", values, scale, out, quantize::sign_bit);
+    const double magnitude = quantize::magnitude_sum(values.data(), values.size());
+    const float scale = values.empty() ? 0.0f : static_cast<float>(magnitude / static_cast<double>(values.size()));
+    return Packed<1>::encode(CodecId::one_bit, "one-bit", values, {scale}, out,
+                             [](float v, std::size_t) { return quantize::sign_bit(v); });
   }
 
   template <class T>
   void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
-    Packed<1>::decode(CodecId::one_bit, "one-bit", in, out, mode, quantize::sign_value);
+    Packed<1>::decode(CodecId::one_bit, "one-bit", in, out, mode,
+                      [](const auto& p) {
+      return [scale = p[0]](std::uint32_t bit) { return quantize::sign_value(bit, scale); };
+    });
   }
 };
 

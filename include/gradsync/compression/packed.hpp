@@ -1,8 +1,9 @@
 #pragma once
-// The layout shared by the quantizing codecs: the common header (checks.hpp), one f32 parameter
-// (a threshold, a scale), then one Bits-wide code per value, packed 32/Bits to a u32 word, value
-// i in bits Bits*(i % per_word) upward of word i / per_word.
+// The layout shared by the quantizing codecs: the common header (checks.hpp), Params f32
+// parameters (a threshold, a scale, a range), then one Bits-wide code per value, packed 32/Bits
+// to a u32 word, value i in bits Bits*(i % per_word) upward of word i / per_word.
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -10,55 +11,63 @@
 
 #include "gradsync/compression/checks.hpp"
 #include "gradsync/concepts.hpp"
+#include "gradsync/numeric.hpp"
 
 namespace gradsync::compression {
 
-template <unsigned Bits>
+template <unsigned Bits, std::size_t Params = 1>
 struct Packed {
   static constexpr std::size_t per_word = 32 / Bits;
   static constexpr std::uint32_t mask = (1u << Bits) - 1u;
+  using Parameters = std::array<float, Params>;
 
   static std::size_t words(std::size_t n) { return (n + per_word - 1) / per_word; }
-  static std::size_t bytes(std::size_t n) { return header_bytes + 4 + words(n) * 4; }
+  static std::size_t bytes(std::size_t n) { return header_bytes + 4 * Params + words(n) * 4; }
 
-  // code(value) -> the value's Bits-wide code.
+  // The word holding values [w * per_word, ...) of n; code(value, index) gives a value's code.
+  // Shared with the CUDA kernels, which compute one word a thread.
   template <class T, class Code>
-  static std::size_t encode(CodecId id, std::string_view codec, std::span<const T> values, float parameter,
+  GRADSYNC_HD static std::uint32_t pack_word(const T* values, std::size_t n, std::size_t w, Code code) {
+    const std::size_t first = w * per_word;
+    const std::size_t count = n - first < per_word ? n - first : per_word;
+    std::uint32_t packed = 0;
+    for (std::size_t i = 0; i < count; ++i) packed |= code(static_cast<float>(values[first + i]), first + i) << (Bits * i);
+    return packed;
+  }
+
+  template <class T, class Code>
+  static std::size_t encode(CodecId id, std::string_view codec, std::span<const T> values, const Parameters& parameters,
                             std::span<std::byte> out, Code code) {
     const std::size_t n = values.size();
     check_capacity(codec, bytes(n), out.size());
     write_header(out, id, n);
-    std::memcpy(out.data() + header_bytes, &parameter, 4);
-    auto* word = reinterpret_cast<std::uint32_t*>(out.data() + header_bytes + 4);
+    std::memcpy(out.data() + header_bytes, parameters.data(), 4 * Params);
+    auto* word = reinterpret_cast<std::uint32_t*>(out.data() + header_bytes + 4 * Params);
     const std::size_t full = n / per_word;
-    for (std::size_t w = 0; w < full; ++w) {  // whole words: no bounds test in the inner loop
+    for (std::size_t w = 0; w < full; ++w) {  // whole words: a fixed trip count the compiler unrolls
       std::uint32_t packed = 0;
       for (std::size_t i = 0; i < per_word; ++i)
-        packed |= code(static_cast<float>(values[w * per_word + i])) << (Bits * i);
+        packed |= code(static_cast<float>(values[w * per_word + i]), w * per_word + i) << (Bits * i);
       word[w] = packed;
     }
-    if (full * per_word < n) {
-      std::uint32_t packed = 0;
-      for (std::size_t i = 0; full * per_word + i < n; ++i)
-        packed |= code(static_cast<float>(values[full * per_word + i])) << (Bits * i);
-      word[full] = packed;
-    }
+    if (full * per_word < n) word[full] = pack_word(values.data(), n, full, code);
     return bytes(n);
   }
 
-  // value(code, parameter) -> the decoded value.
-  template <class T, class Value>
+  // decoder(parameters) -> a function from a code to its decoded value.
+  template <class T, class Decoder>
   static void decode(CodecId id, std::string_view codec, std::span<const std::byte> in, std::span<T> out,
-                     DecodeMode mode, Value value) {
+                     DecodeMode mode, Decoder decoder) {
     const std::size_t n = out.size();
-    check_header(in, id, codec, n, words(n) * 4 + 4);
-    float parameter;
-    std::memcpy(&parameter, in.data() + header_bytes, 4);
-    const auto* word = reinterpret_cast<const std::uint32_t*>(in.data() + header_bytes + 4);
+    check_header(in, id, codec, n, 4 * Params + words(n) * 4);
+    Parameters parameters;
+    std::memcpy(parameters.data(), in.data() + header_bytes, 4 * Params);
+    const auto* word = reinterpret_cast<const std::uint32_t*>(in.data() + header_bytes + 4 * Params);
+    const auto value = decoder(parameters);
     if (mode == DecodeMode::add)
-      unpack(word, n, [&](std::size_t i, std::uint32_t code) { out[i] += static_cast<T>(value(code, parameter)); });
+      unpack(word, n, [&](std::size_t i, std::uint32_t code) { out[i] += static_cast<T>(value(code)); });
     else
-      unpack(word, n, [&](std::size_t i, std::uint32_t code) { out[i] = static_cast<T>(value(code, parameter)); });
+      unpack(word, n, [&](std::size_t i, std::uint32_t code) { out[i] = static_cast<T>(value(code)); });
   }
 
  private:

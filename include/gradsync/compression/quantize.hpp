@@ -1,6 +1,8 @@
 #pragma once
-// The per-element arithmetic of the quantizing codecs, shared by the CPU path and CUDA kernels.
+// The per-element arithmetic of the quantizing and sparsifying codecs, shared by the CPU path and
+// the CUDA kernels (src/cuda/codecs.cu), so both give the same encoding bit for bit.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "gradsync/numeric.hpp"
@@ -18,5 +20,67 @@ GRADSYNC_HD float two_bit_value(std::uint32_t code, float threshold) {
 // One bit a value: its sign (zero counts as positive).
 GRADSYNC_HD std::uint32_t sign_bit(float v) { return static_cast<std::uint32_t>(v >= 0.0f); }
 GRADSYNC_HD float sign_value(std::uint32_t bit, float scale) { return static_cast<float>(2 * static_cast<int>(bit) - 1) * scale; }
+
+// OneBit's scale is the mean magnitude; the sum runs in double in a fixed tree (leaves of 256
+// consecutive values, then each level summing 256 consecutive results of the level below, each
+// group in order), so a kernel that sums level by level gets the same bits as this loop.
+inline constexpr std::size_t sum_fan_in = 256;
+
+template <class T>
+double magnitude_sum(const T* values, std::size_t n) {
+  double sum = 0;
+  if (n <= sum_fan_in) {
+    for (std::size_t i = 0; i < n; ++i) sum += values[i] < 0 ? -static_cast<double>(values[i]) : static_cast<double>(values[i]);
+    return sum;
+  }
+  std::size_t span = sum_fan_in;  // values under each child: the largest power of 256 below n
+  while (span * sum_fan_in < n) span *= sum_fan_in;
+  for (std::size_t b = 0; b < n; b += span) sum += magnitude_sum(values + b, n - b < span ? n - b : span);
+  return sum;
+}
+
+// A counter-based random stream: mix(key, i) is the i-th 64-bit draw of stream `key` (SplitMix64's
+// output function over key + (i + 1) * golden ratio). Any draw can be computed alone, on any
+// thread or device, which is what lets a kernel and a loop give the same numbers.
+GRADSYNC_HD std::uint64_t mix(std::uint64_t key, std::uint64_t i) {
+  std::uint64_t z = key + (i + 1u) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Draw i of stream `key` as a float in [0, 1), 24 random bits.
+GRADSYNC_HD float uniform(std::uint64_t key, std::uint64_t i) {
+  return static_cast<float>(mix(key, i) >> 40) * 5.9604644775390625e-8f;  // 2^-24
+}
+
+// The stream key for the `step`-th encode of a codec seeded with `seed`.
+GRADSYNC_HD std::uint64_t stream_key(std::uint64_t seed, std::uint64_t step) { return mix(seed, step); }
+
+// TernGrad's stochastic rounding: |v| / scale * levels lies between two whole levels q and q+1
+// and is rounded up with probability equal to the fraction (u uniform in [0, 1)), so the
+// expected decoded value is v. The code is q with the sign in bit `sign_shift`. `inv_step` is
+// levels / scale, or 0 when the scale is 0 (all values zero).
+GRADSYNC_HD std::uint32_t ternary_code(float v, float inv_step, float u, std::uint32_t levels, unsigned sign_shift) {
+  const float x = numeric::add_rn(numeric::mul_rn(v < 0.0f ? -v : v, inv_step), u);
+  const std::uint32_t q = x >= static_cast<float>(levels) ? levels : x >= 0.0f ? static_cast<std::uint32_t>(x) : 0u;
+  return q | (static_cast<std::uint32_t>(v < 0.0f) << sign_shift);  // NaN becomes level 0
+}
+GRADSYNC_HD float ternary_value(std::uint32_t code, float step, unsigned sign_shift) {
+  const float magnitude = numeric::mul_rn(static_cast<float>(code & ((1u << sign_shift) - 1u)), step);
+  return (code >> sign_shift) ? -magnitude : magnitude;
+}
+
+// RandomK's j-th index among n for k kept: one uniform pick inside the j-th of k near-equal
+// strata [j*n/k, (j+1)*n/k), so indices come out distinct and ascending with no set to keep.
+GRADSYNC_HD std::uint64_t stratum_index(std::uint64_t key, std::uint64_t j, std::uint64_t n, std::uint64_t k) {
+  const std::uint64_t begin = j * n / k;
+  const std::uint64_t length = (j + 1u) * n / k - begin;  // >= 1 since k <= n
+  return begin + (((mix(key, j) >> 32) * length) >> 32);
+}
+
+// The order TopK ranks values by: magnitude as the bits of |v| (monotonic for floats; NaN ranks
+// above infinity).
+GRADSYNC_HD std::uint32_t magnitude_key(float v) { return numeric::bits_of(v) & 0x7fffffffu; }
 
 }  // namespace gradsync::compression::quantize

@@ -32,13 +32,16 @@ struct TwoBit {
 
   template <class T>
   std::size_t encode(std::span<const T> values, State&, std::span<std::byte> out) const {
-    return Packed<2>::encode(CodecId::two_bit, "two-bit", values, threshold, out,
-                             [t = threshold](float v) { return quantize::two_bit_code(v, t); });
+    return Packed<2>::encode(CodecId::two_bit, "two-bit", values, {threshold}, out,
+                             [t = threshold](float v, std::size_t) { return quantize::two_bit_code(v, t); });
   }
 
   template <class T>
   void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
-    Packed<2>::decode(CodecId::two_bit, "two-bit", in, out, mode, quantize::two_bit_value);
+    Packed<2>::decode(CodecId::two_bit, "two-bit", in, out, mode,
+                      [](const auto& p) {
+      return [t = p[0]](std::uint32_t code) { return quantize::two_bit_value(code, t); };
+    });
   }
 };
 
