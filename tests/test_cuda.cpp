@@ -1,7 +1,10 @@
 // One math for CPU and GPU: the number-format conversions give the same bits in a CUDA kernel as
-// on the host. Skipped, with the reason printed, where no CUDA device is present.
+// on the host, and every device codec writes the CPU codec's bytes and decodes to its values.
+// Skipped, with the reason printed, where no CUDA device is present.
 
 #include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdio>
@@ -9,6 +12,8 @@
 #include <limits>
 
 #include "cuda/numeric_kernels.hpp"
+#include "gradsync/compression/error_feedback.hpp"
+#include "gradsync/cuda/codecs.hpp"
 #include "gradsync/numeric.hpp"
 #include "support.hpp"
 
@@ -22,6 +27,60 @@ const bool no_device = [] {
 }();
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// Device memory holding a copy of a host vector, and back.
+template <class T>
+struct DeviceVector {
+  T* data = nullptr;
+  std::size_t size = 0;
+  explicit DeviceVector(std::size_t n) : size(n) { REQUIRE(cudaMalloc(&data, std::max<std::size_t>(n, 1) * sizeof(T)) == cudaSuccess); }
+  explicit DeviceVector(const std::vector<T>& host) : DeviceVector(host.size()) {
+    REQUIRE(cudaMemcpy(data, host.data(), size * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  ~DeviceVector() { cudaFree(data); }
+  DeviceVector(const DeviceVector&) = delete;
+  std::vector<T> host() const {
+    std::vector<T> out(size);
+    REQUIRE(cudaMemcpy(out.data(), data, size * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+    return out;
+  }
+};
+
+template <class C>
+void check_codec_matches(const C& codec) {
+  for (std::size_t n : {1u, 31u, 1000u, 70001u, 300000u}) {  // 70001: a sum tree of three levels
+    CAPTURE(n);
+    const auto in = test::random_values(n, n);
+    const DeviceVector<float> device_in(in);
+    auto host_state = codec.make_state(n, DType::f32);
+    auto device_state = codec.make_state(n, DType::f32);
+    std::vector<std::byte> host_bytes(codec.max_encoded_bytes(n, DType::f32));
+    DeviceVector<std::byte> device_bytes(host_bytes.size());
+    cuda::Stream stream;
+    for (int step = 0; step < 2; ++step) {  // the second encode draws from the next random stream
+      const std::size_t host_used = codec.encode(std::span<const float>(in), host_state, host_bytes);
+      const std::size_t device_used = cuda::encode(codec, device_state, device_in.data, n, device_bytes.data, stream);
+      stream.synchronize();
+      REQUIRE(device_used == host_used);
+      const auto encoded = device_bytes.host();
+      REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), host_used) == 0);
+
+      // Decoding, adding onto values already there, gives the same bits on both sides.
+      auto host_out = test::random_values(n, 3);
+      const DeviceVector<float> device_out(host_out);
+      codec.decode(std::span<const std::byte>(host_bytes).first(host_used), std::span<float>(host_out), DecodeMode::add);
+      cuda::decode(codec, device_bytes.data, device_used, device_out.data, n, DecodeMode::add, stream);
+      stream.synchronize();
+      const auto back = device_out.host();
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(back[i], host_out[i]));
+    }
+    // A header that does not match the destination is refused before any kernel runs.
+    const DeviceVector<float> other(n + 1);
+    CHECK_THROWS_AS(cuda::decode(codec, device_bytes.data, codec.max_encoded_bytes(n, DType::f32), other.data, n + 1,
+                                 DecodeMode::overwrite, stream),
+                    Error);
+  }
+}
 }  // namespace
 
 TEST_SUITE("cuda") {
@@ -44,6 +103,39 @@ TEST_SUITE("cuda") {
       const auto pattern = static_cast<std::uint16_t>(i & 0xffffu);
       REQUIRE(same_bits(device.f16_back[i], numeric::from_f16_bits(pattern)));
       REQUIRE(same_bits(device.bf16_back[i], numeric::from_bf16_bits(pattern)));
+    }
+  }
+
+  TEST_CASE_TEMPLATE("device codecs write the CPU codecs' bytes and decode to the same values" * doctest::skip(no_device),
+                     C, compression::Fp16, compression::Bf16, compression::TwoBit, compression::OneBit,
+                     compression::TernGrad<2>, compression::TernGrad<4>, compression::RandomK) {
+    if constexpr (std::is_same_v<C, compression::TwoBit>) check_codec_matches(C{.threshold = 0.3f});
+    else if constexpr (std::is_same_v<C, compression::RandomK>) check_codec_matches(C{.keep = {.fraction = 0.05}, .seed = 4});
+    else if constexpr (requires(C c) { c.seed; }) check_codec_matches(C{.seed = 9});
+    else check_codec_matches(C{});
+  }
+
+  TEST_CASE("error feedback on the device follows the CPU decorator step for step" * doctest::skip(no_device)) {
+    const compression::TwoBit codec{.threshold = 0.5f};
+    const compression::ErrorFeedback<compression::TwoBit> decorated{codec};
+    constexpr std::size_t n = 4099;
+    auto host_state = decorated.make_state(n, DType::f32);
+    compression::TwoBit::State device_state;
+    DeviceVector<float> residual(std::vector<float>(n, 0.0f));
+    std::vector<std::byte> host_bytes(codec.max_encoded_bytes(n, DType::f32));
+    DeviceVector<std::byte> device_bytes(host_bytes.size());
+    cuda::Stream stream;
+    for (int step = 0; step < 5; ++step) {
+      const auto g = test::random_values(n, 100 + static_cast<std::uint64_t>(step));
+      const DeviceVector<float> device_g(g);
+      const std::size_t used = decorated.encode(std::span<const float>(g), host_state, host_bytes);
+      REQUIRE(cuda::encode_with_feedback(codec, device_state, device_g.data, residual.data, n, device_bytes.data,
+                                         stream) == used);
+      stream.synchronize();
+      const auto encoded = device_bytes.host();
+      REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), used) == 0);
+      const auto r = residual.host();
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(r[i], host_state.residual_f32[i]));
     }
   }
 }

@@ -1,7 +1,7 @@
 #pragma once
-// The layout shared by the quantizing codecs: the common header (checks.hpp), Params f32
-// parameters (a threshold, a scale, a range), then one Bits-wide code per value, packed 32/Bits
-// to a u32 word, value i in bits Bits*(i % per_word) upward of word i / per_word.
+// The layout shared by the quantizing codecs: the common header (format.hpp), Params f32
+// parameters (a threshold, a scale), then one Bits-wide code per value, packed 32/Bits to a u32
+// word (PackedCodes in format.hpp).
 
 #include <array>
 #include <cstdint>
@@ -16,24 +16,15 @@
 namespace gradsync::compression {
 
 template <unsigned Bits, std::size_t Params = 1>
-struct Packed {
-  static constexpr std::size_t per_word = 32 / Bits;
-  static constexpr std::uint32_t mask = (1u << Bits) - 1u;
+struct Packed : PackedCodes<Bits> {
+  using Codes = PackedCodes<Bits>;
+  using Codes::mask;
+  using Codes::pack_word;
+  using Codes::per_word;
+  using Codes::words;
   using Parameters = std::array<float, Params>;
 
-  static std::size_t words(std::size_t n) { return (n + per_word - 1) / per_word; }
-  static std::size_t bytes(std::size_t n) { return header_bytes + 4 * Params + words(n) * 4; }
-
-  // The word holding values [w * per_word, ...) of n; code(value, index) gives a value's code.
-  // Shared with the CUDA kernels, which compute one word a thread.
-  template <class T, class Code>
-  GRADSYNC_HD static std::uint32_t pack_word(const T* values, std::size_t n, std::size_t w, Code code) {
-    const std::size_t first = w * per_word;
-    const std::size_t count = n - first < per_word ? n - first : per_word;
-    std::uint32_t packed = 0;
-    for (std::size_t i = 0; i < count; ++i) packed |= code(static_cast<float>(values[first + i]), first + i) << (Bits * i);
-    return packed;
-  }
+  GRADSYNC_HD static std::size_t bytes(std::size_t n) { return header_bytes + 4 * Params + words(n) * 4; }
 
   template <class T, class Code>
   static std::size_t encode(CodecId id, std::string_view codec, std::span<const T> values, const Parameters& parameters,

@@ -14,25 +14,32 @@ GRADSYNC_HD std::uint32_t two_bit_code(float v, float threshold) {
   return static_cast<std::uint32_t>(v >= threshold) | (static_cast<std::uint32_t>(v <= -threshold) << 1);
 }
 GRADSYNC_HD float two_bit_value(std::uint32_t code, float threshold) {
-  return static_cast<float>(static_cast<int>(code & 1u) - static_cast<int>(code >> 1)) * threshold;
+  return numeric::mul_rn(static_cast<float>(static_cast<int>(code & 1u) - static_cast<int>(code >> 1)), threshold);
 }
 
 // One bit a value: its sign (zero counts as positive).
 GRADSYNC_HD std::uint32_t sign_bit(float v) { return static_cast<std::uint32_t>(v >= 0.0f); }
-GRADSYNC_HD float sign_value(std::uint32_t bit, float scale) { return static_cast<float>(2 * static_cast<int>(bit) - 1) * scale; }
+GRADSYNC_HD float sign_value(std::uint32_t bit, float scale) {
+  return numeric::mul_rn(static_cast<float>(2 * static_cast<int>(bit) - 1), scale);
+}
 
 // OneBit's scale is the mean magnitude; the sum runs in double in a fixed tree (leaves of 256
 // consecutive values, then each level summing 256 consecutive results of the level below, each
 // group in order), so a kernel that sums level by level gets the same bits as this loop.
 inline constexpr std::size_t sum_fan_in = 256;
 
+// One leaf: at most sum_fan_in values, in order.
+template <class T>
+GRADSYNC_HD double leaf_magnitude_sum(const T* values, std::size_t n) {
+  double sum = 0;
+  for (std::size_t i = 0; i < n; ++i) sum += values[i] < 0 ? -static_cast<double>(values[i]) : static_cast<double>(values[i]);
+  return sum;
+}
+
 template <class T>
 double magnitude_sum(const T* values, std::size_t n) {
+  if (n <= sum_fan_in) return leaf_magnitude_sum(values, n);
   double sum = 0;
-  if (n <= sum_fan_in) {
-    for (std::size_t i = 0; i < n; ++i) sum += values[i] < 0 ? -static_cast<double>(values[i]) : static_cast<double>(values[i]);
-    return sum;
-  }
   std::size_t span = sum_fan_in;  // values under each child: the largest power of 256 below n
   while (span * sum_fan_in < n) span *= sum_fan_in;
   for (std::size_t b = 0; b < n; b += span) sum += magnitude_sum(values + b, n - b < span ? n - b : span);
@@ -65,6 +72,10 @@ GRADSYNC_HD std::uint32_t ternary_code(float v, float inv_step, float u, std::ui
   const float x = numeric::add_rn(numeric::mul_rn(v < 0.0f ? -v : v, inv_step), u);
   const std::uint32_t q = x >= static_cast<float>(levels) ? levels : x >= 0.0f ? static_cast<std::uint32_t>(x) : 0u;
   return q | (static_cast<std::uint32_t>(v < 0.0f) << sign_shift);  // NaN becomes level 0
+}
+GRADSYNC_HD float ternary_step(float scale, std::uint32_t levels) { return scale / static_cast<float>(levels); }
+GRADSYNC_HD float ternary_inverse_step(float scale, std::uint32_t levels) {
+  return scale > 0.0f ? static_cast<float>(levels) / scale : 0.0f;
 }
 GRADSYNC_HD float ternary_value(std::uint32_t code, float step, unsigned sign_shift) {
   const float magnitude = numeric::mul_rn(static_cast<float>(code & ((1u << sign_shift) - 1u)), step);

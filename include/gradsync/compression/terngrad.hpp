@@ -57,17 +57,12 @@ struct TernGrad {
   State make_state(std::size_t, DType) const { return {}; }
   std::size_t max_encoded_bytes(std::size_t n, DType) const { return Layout::bytes(n); }
 
-  // The spacing of the levels and its reciprocal for encoding, computed the same way by the
-  // encoder, the decoder and the CUDA kernels.
-  static float step(float scale) { return scale / static_cast<float>(levels); }
-  static float inverse_step(float scale) { return scale > 0.0f ? static_cast<float>(levels) / scale : 0.0f; }
-
   template <class T>
   std::size_t encode(std::span<const T> values, State& state, std::span<std::byte> out) const {
     float scale = 0;
     for (T v : values) scale = std::max(scale, std::fabs(static_cast<float>(v)));
     const std::uint64_t key = quantize::stream_key(seed, state.encodes++);
-    const float inv = inverse_step(scale);
+    const float inv = quantize::ternary_inverse_step(scale, levels);
     return Layout::encode(CodecId::terngrad, "terngrad", values, {scale}, out, [=](float v, std::size_t i) {
       return quantize::ternary_code(v, inv, quantize::uniform(key, i), levels, sign_shift);
     });
@@ -76,7 +71,7 @@ struct TernGrad {
   template <class T>
   void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
     Layout::decode(CodecId::terngrad, "terngrad", in, out, mode, [](const auto& p) {
-      return [spacing = step(p[0])](std::uint32_t code) { return quantize::ternary_value(code, spacing, sign_shift); };
+      return [spacing = quantize::ternary_step(p[0], levels)](std::uint32_t code) { return quantize::ternary_value(code, spacing, sign_shift); };
     });
   }
 };

@@ -1,0 +1,103 @@
+#pragma once
+// The codecs on a CUDA device: device buffers are encoded and decoded by kernels on a stream,
+// with the same per-element functions as the CPU path (compression/quantize.hpp, numeric.hpp),
+// so the bytes a kernel writes are the bytes the CPU codec writes for the same input and state,
+// and either side decodes the other's data. Nothing is copied to the host but the few bytes of an
+// encoding's header, which decode checks like the CPU path does (count, codec, version).
+//
+// Available where gradsync was built with CUDA (GRADSYNC_HAS_CUDA); every call throws a
+// gradsync::Error naming the CUDA error when the runtime fails. Calls are asynchronous on the
+// stream except decode, which waits for the header; encode returns the size the encoding will
+// have, known from n alone.
+//
+// f32 values only. Covered: Fp16, Bf16, TwoBit, OneBit, TernGrad<Bits>, RandomK, and ErrorFeedback
+// over any of them (the residual is a device buffer of n floats, zeroed by the caller). TopK has
+// no device path yet.
+
+#include <cstddef>
+#include <memory>
+
+#include "gradsync/compression/bf16.hpp"
+#include "gradsync/compression/fp16.hpp"
+#include "gradsync/compression/one_bit.hpp"
+#include "gradsync/compression/random_k.hpp"
+#include "gradsync/compression/terngrad.hpp"
+#include "gradsync/compression/two_bit.hpp"
+#include "gradsync/concepts.hpp"
+
+namespace gradsync::cuda {
+
+int device_count();  // 0 where there is no device or no driver
+
+// A CUDA stream on one device and the device scratch space its reductions use; one per
+// Synchronizer (or per thread that encodes). Scratch grows to the largest n seen, so a plan that
+// reserves its largest bucket up front allocates nothing afterwards.
+class Stream {
+ public:
+  explicit Stream(int device = 0);
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  int device() const noexcept;
+  void* native() const noexcept;  // the cudaStream_t
+  void reserve(std::size_t values);  // scratch for runs of up to `values` values
+  void synchronize();
+
+  struct Impl;
+  Impl& impl() noexcept { return *impl_; }  // for the library's own kernels
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Writes codec.max_encoded_bytes(n) bytes at `out` (device memory) and returns that size. Stateless
+// codecs take their empty State too, so that every codec is called alike.
+std::size_t encode(const compression::Fp16&, compression::Fp16::State&, const float* in, std::size_t n, std::byte* out,
+                   Stream&);
+std::size_t encode(const compression::Bf16&, compression::Bf16::State&, const float* in, std::size_t n, std::byte* out,
+                   Stream&);
+std::size_t encode(const compression::TwoBit&, compression::TwoBit::State&, const float* in, std::size_t n,
+                   std::byte* out, Stream&);
+std::size_t encode(const compression::OneBit&, compression::OneBit::State&, const float* in, std::size_t n,
+                   std::byte* out, Stream&);
+template <unsigned Bits>
+std::size_t encode(const compression::TernGrad<Bits>&, typename compression::TernGrad<Bits>::State&, const float* in,
+                   std::size_t n, std::byte* out, Stream&);
+std::size_t encode(const compression::RandomK&, compression::RandomK::State&, const float* in, std::size_t n,
+                   std::byte* out, Stream&);
+
+// Decodes `bytes` bytes at `in` (device memory) into n values at `out`, adding or overwriting.
+void decode(const compression::Fp16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n, DecodeMode,
+            Stream&);
+void decode(const compression::Bf16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n, DecodeMode,
+            Stream&);
+void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n, DecodeMode,
+            Stream&);
+void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n, DecodeMode,
+            Stream&);
+template <unsigned Bits>
+void decode(const compression::TernGrad<Bits>&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode, Stream&);
+void decode(const compression::RandomK&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode, Stream&);
+
+// residual[i] += in[i] (the first step of error feedback), on the stream.
+void accumulate(float* residual, const float* in, std::size_t n, Stream&);
+// values[i] = -values[i], on the stream.
+void negate(float* values, std::size_t n, Stream&);
+
+// ErrorFeedback on the device, the same steps as the CPU decorator: residual += in; encode the
+// residual; residual -= decode(encoding), as -(-residual + decode) so the rounding matches.
+template <class C>
+std::size_t encode_with_feedback(const C& codec, typename C::State& state, const float* in, float* residual,
+                                 std::size_t n, std::byte* out, Stream& stream) {
+  accumulate(residual, in, n, stream);
+  const std::size_t bytes = encode(codec, state, residual, n, out, stream);
+  negate(residual, n, stream);
+  decode(codec, out, bytes, residual, n, DecodeMode::add, stream);
+  negate(residual, n, stream);
+  return bytes;
+}
+
+}  // namespace gradsync::cuda

@@ -1,0 +1,197 @@
+// The host side of the codecs on a CUDA device (include/gradsync/cuda/codecs.hpp): argument and
+// header checks with the CPU codecs' own functions, errors as gradsync::Error, and the stream's
+// scratch; the kernels are in kernels.cu.
+
+#include "gradsync/cuda/codecs.hpp"
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "kernels.hpp"
+
+namespace gradsync::cuda {
+
+namespace {
+
+void check(int status, const char* operation) {
+  if (status != cudaSuccess)
+    throw Error(ErrorKind::internal, {.operation = operation},
+                fmt::format("CUDA: {}", cudaGetErrorString(static_cast<cudaError_t>(status))));
+}
+
+// The 8 header bytes as the little-endian word the kernels write.
+std::uint64_t header_word(compression::CodecId id, std::size_t n) {
+  std::array<std::byte, compression::header_bytes> bytes;
+  compression::write_header(bytes, id, n);
+  std::uint64_t word;
+  std::memcpy(&word, bytes.data(), sizeof word);
+  return word;
+}
+
+// Copies the first bytes of an encoding from the device and checks them as the CPU codec does.
+void check_device_header(const std::byte* in, std::size_t bytes, compression::CodecId id, const char* codec,
+                         std::size_t n, std::size_t payload, Stream& stream) {
+  std::array<std::byte, compression::header_bytes> header{};
+  const std::size_t copied = bytes < header.size() ? bytes : header.size();
+  auto s = static_cast<cudaStream_t>(stream.native());
+  check(cudaMemcpyAsync(header.data(), in, copied, cudaMemcpyDeviceToHost, s), "decode");
+  check(cudaStreamSynchronize(s), "decode");
+  compression::check_header(std::span<const std::byte>(header).first(copied), bytes, id, codec, n, payload);
+}
+
+}  // namespace
+
+struct Stream::Impl {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  double* sums = nullptr;  // OneBit's sum tree
+  std::size_t sums_capacity = 0;
+  float* parameter = nullptr;  // a run's parameter computed on the device (a scale)
+};
+
+int device_count() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+
+Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
+  impl_->device = device;
+  check(cudaSetDevice(device), "stream");
+  check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "stream");
+  check(cudaMalloc(&impl_->parameter, sizeof(float)), "stream");
+}
+
+Stream::~Stream() {
+  cudaStreamSynchronize(impl_->stream);
+  cudaFree(impl_->sums);
+  cudaFree(impl_->parameter);
+  cudaStreamDestroy(impl_->stream);
+}
+
+int Stream::device() const noexcept { return impl_->device; }
+void* Stream::native() const noexcept { return impl_->stream; }
+void Stream::synchronize() { check(cudaStreamSynchronize(impl_->stream), "synchronize"); }
+
+void Stream::reserve(std::size_t values) {
+  const std::size_t needed = kernels::sum_tree_size(values);
+  if (needed <= impl_->sums_capacity) return;
+  check(cudaStreamSynchronize(impl_->stream), "reserve");  // the old tree may still be in use
+  check(cudaFree(impl_->sums), "reserve");
+  impl_->sums = nullptr;
+  impl_->sums_capacity = 0;
+  check(cudaMalloc(&impl_->sums, needed * sizeof(double)), "reserve");
+  impl_->sums_capacity = needed;
+}
+
+std::size_t encode(const compression::Fp16&, compression::Fp16::State&, const float* in, std::size_t n, std::byte* out,
+                   Stream& stream) {
+  check(kernels::encode_f16(in, n, reinterpret_cast<std::uint16_t*>(out), stream.native()), "encode");
+  return n * 2;
+}
+std::size_t encode(const compression::Bf16&, compression::Bf16::State&, const float* in, std::size_t n, std::byte* out,
+                   Stream& stream) {
+  check(kernels::encode_bf16(in, n, reinterpret_cast<std::uint16_t*>(out), stream.native()), "encode");
+  return n * 2;
+}
+void decode(const compression::Fp16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode mode, Stream& stream) {
+  compression::check_encoded_size("fp16", bytes, n, n * 2);
+  check(kernels::decode_f16(reinterpret_cast<const std::uint16_t*>(in), n, out, mode == DecodeMode::add,
+                            stream.native()),
+        "decode");
+}
+void decode(const compression::Bf16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode mode, Stream& stream) {
+  compression::check_encoded_size("bf16", bytes, n, n * 2);
+  check(kernels::decode_bf16(reinterpret_cast<const std::uint16_t*>(in), n, out, mode == DecodeMode::add,
+                             stream.native()),
+        "decode");
+}
+
+std::size_t encode(const compression::TwoBit& codec, compression::TwoBit::State&, const float* in, std::size_t n,
+                   std::byte* out, Stream& stream) {
+  check(kernels::encode_two_bit(in, n, out, header_word(compression::CodecId::two_bit, n), codec.threshold,
+                                stream.native()),
+        "encode");
+  return compression::Packed<2>::bytes(n);
+}
+void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode mode, Stream& stream) {
+  check_device_header(in, bytes, compression::CodecId::two_bit, "two-bit", n, 4 + compression::Packed<2>::words(n) * 4,
+                      stream);
+  check(kernels::decode_two_bit(in, n, out, mode == DecodeMode::add, stream.native()), "decode");
+}
+
+std::size_t encode(const compression::OneBit&, compression::OneBit::State&, const float* in, std::size_t n,
+                   std::byte* out, Stream& stream) {
+  stream.reserve(n);
+  check(kernels::encode_one_bit(in, n, out, header_word(compression::CodecId::one_bit, n), stream.impl().sums,
+                                stream.impl().parameter, stream.native()),
+        "encode");
+  return compression::Packed<1>::bytes(n);
+}
+void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode mode, Stream& stream) {
+  check_device_header(in, bytes, compression::CodecId::one_bit, "one-bit", n, 4 + compression::Packed<1>::words(n) * 4,
+                      stream);
+  check(kernels::decode_one_bit(in, n, out, mode == DecodeMode::add, stream.native()), "decode");
+}
+
+template <unsigned Bits>
+std::size_t encode(const compression::TernGrad<Bits>& codec, typename compression::TernGrad<Bits>::State& state,
+                   const float* in, std::size_t n, std::byte* out, Stream& stream) {
+  const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
+  check(kernels::encode_terngrad(Bits, in, n, out, header_word(compression::CodecId::terngrad, n), key,
+                                 stream.impl().parameter, stream.native()),
+        "encode");
+  return compression::TernGrad<Bits>::Layout::bytes(n);
+}
+template <unsigned Bits>
+void decode(const compression::TernGrad<Bits>&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode mode, Stream& stream) {
+  using Layout = typename compression::TernGrad<Bits>::Layout;
+  check_device_header(in, bytes, compression::CodecId::terngrad, "terngrad", n, 4 + Layout::words(n) * 4, stream);
+  check(kernels::decode_terngrad(Bits, in, n, out, mode == DecodeMode::add, stream.native()), "decode");
+}
+
+template std::size_t encode(const compression::TernGrad<2>&, compression::TernGrad<2>::State&, const float*,
+                            std::size_t, std::byte*, Stream&);
+template std::size_t encode(const compression::TernGrad<4>&, compression::TernGrad<4>::State&, const float*,
+                            std::size_t, std::byte*, Stream&);
+template std::size_t encode(const compression::TernGrad<8>&, compression::TernGrad<8>::State&, const float*,
+                            std::size_t, std::byte*, Stream&);
+template void decode(const compression::TernGrad<2>&, const std::byte*, std::size_t, float*, std::size_t, DecodeMode,
+                     Stream&);
+template void decode(const compression::TernGrad<4>&, const std::byte*, std::size_t, float*, std::size_t, DecodeMode,
+                     Stream&);
+template void decode(const compression::TernGrad<8>&, const std::byte*, std::size_t, float*, std::size_t, DecodeMode,
+                     Stream&);
+
+std::size_t encode(const compression::RandomK& codec, compression::RandomK::State& state, const float* in,
+                   std::size_t n, std::byte* out, Stream& stream) {
+  const std::size_t k = codec.keep.of(n);
+  const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
+  check(kernels::encode_random_k(in, n, k, key, out, header_word(compression::CodecId::random_k, n), stream.native()),
+        "encode");
+  return codec.max_encoded_bytes(n, DType::f32);
+}
+void decode(const compression::RandomK& codec, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode mode, Stream& stream) {
+  const std::size_t k = codec.keep.of(n);
+  check_device_header(in, bytes, compression::CodecId::random_k, "random-k", n, 8 + 4 * k, stream);
+  check(kernels::decode_random_k(in, n, k, out, mode == DecodeMode::add, stream.native()), "decode");
+}
+
+void accumulate(float* residual, const float* in, std::size_t n, Stream& stream) {
+  check(kernels::accumulate(residual, in, n, stream.native()), "accumulate");
+}
+
+void negate(float* values, std::size_t n, Stream& stream) {
+  check(kernels::negate(values, n, stream.native()), "negate");
+}
+
+}  // namespace gradsync::cuda
