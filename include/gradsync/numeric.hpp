@@ -54,28 +54,20 @@ GRADSYNC_HD float add_rn(float a, float b) {
 #endif
 }
 
-// IEEE binary16, round to nearest even; overflow goes to infinity, NaN stays NaN.
+// IEEE binary16, round to nearest even; overflow goes to infinity, NaN stays NaN (quiet, sign
+// kept). All three cases are computed and one is selected, so a loop over this has no branches
+// and vectorizes. Subnormal results come from the FPU's own round-to-nearest-even: adding 0.5
+// (as a float) to |value| leaves the rounded value / 2^-24 in the low mantissa bits.
 GRADSYNC_HD std::uint16_t f16_bits(float value) {
-  std::uint32_t x = bits_of(value);
+  const std::uint32_t x = bits_of(value);
   const std::uint32_t sign = (x >> 16) & 0x8000u;
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
-  if (x >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (x < 0x38800000u) {                                                    // below 2^-14: subnormal
-    if (x < 0x33000000u) return static_cast<std::uint16_t>(sign);            // below 2^-25: zero
-    const std::uint32_t exponent = x >> 23;
-    const std::uint32_t mantissa = (x & 0x7fffffu) | 0x800000u;
-    const std::uint32_t shift = 126u - exponent;  // 14..24: value / 2^-24 = mantissa >> shift
-    std::uint32_t half = mantissa >> shift;
-    const std::uint32_t rest = mantissa & ((1u << shift) - 1u);
-    const std::uint32_t halfway = 1u << (shift - 1u);
-    if (rest > halfway || (rest == halfway && (half & 1u))) ++half;
-    return static_cast<std::uint16_t>(sign | half);
-  }
-  const std::uint32_t rebiased = x - 0x38000000u;  // exponent bias 127 -> 15
-  std::uint32_t half = rebiased >> 13;
-  const std::uint32_t rest = rebiased & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;  // a carry into the exponent is right
+  const std::uint32_t magnitude = x & 0x7fffffffu;
+  // Normal results: rebias the exponent (127 -> 15) and round the 13 dropped bits to even.
+  const std::uint32_t normal = (magnitude - 0x38000000u + 0xfffu + ((magnitude >> 13) & 1u)) >> 13;
+  // Subnormal results (|value| < 2^-14): 0.5 + |value| in f32 has a ulp of 2^-24, the f16 step.
+  const std::uint32_t subnormal = bits_of(add_rn(float_of(magnitude), 0.5f)) - 0x3f000000u;
+  const std::uint32_t special = 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u);  // inf, or quiet NaN
+  const std::uint32_t half = magnitude >= 0x47800000u ? special : magnitude < 0x38800000u ? subnormal : normal;
   return static_cast<std::uint16_t>(sign | half);
 }
 
