@@ -1,5 +1,7 @@
-// bench/codecs — encode and decode throughput of every codec on this CPU (one thread), in GB/s of
-// f32 input, with the compression ratio.
+// bench/codecs — encode and decode throughput of every codec on this CPU (one thread) and, where
+// gradsync was built with CUDA and a device is present, on the GPU (device buffers, one stream;
+// beside a device-to-device copy of the same bytes), in GB/s of f32 input, with the compression
+// ratio.
 //
 //   codecs [--min-mib M] [--max-mib M] [--step-factor F] [--iters I] [--codec NAME] [--json PATH]
 //
@@ -8,6 +10,8 @@
 // variants include their residual update in the encode time.
 
 #include <algorithm>
+#include <optional>
+#include <stdexcept>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -19,6 +23,12 @@
 
 #include "codec_by_name.hpp"
 #include "gradsync/gradsync.hpp"
+
+#if GRADSYNC_HAS_CUDA
+#include <cuda_runtime.h>
+
+#include "gradsync/cuda/codecs.hpp"
+#endif
 
 namespace {
 
@@ -39,7 +49,17 @@ struct Row {
   std::string codec;
   std::size_t bytes = 0;
   double encode_GBps = 0, decode_GBps = 0, ratio = 0;
+  std::string device = "cpu";
+  double copy_GBps = 0;  // GPU: a device-to-device copy of the same bytes
 };
+
+std::vector<float> normal_input(std::size_t n) {
+  std::vector<float> input(n);
+  std::mt19937_64 gen(1);
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  for (float& v : input) v = normal(gen);
+  return input;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -49,10 +69,8 @@ double median(std::vector<double> v) {
 template <class Codec>
 Row measure(const std::string& name, std::size_t bytes, int iters, const Codec& codec) {
   const std::size_t n = bytes / sizeof(float);
-  std::vector<float> input(n), output(n);
-  std::mt19937_64 gen(1);
-  std::normal_distribution<float> normal(0.0f, 0.1f);
-  for (float& v : input) v = normal(gen);
+  const std::vector<float> input = normal_input(n);
+  std::vector<float> output(n);
   auto state = codec.make_state(n, DType::f32);
   std::vector<std::byte> encoded(codec.max_encoded_bytes(n, DType::f32));
   std::vector<double> encode_s, decode_s;
@@ -70,6 +88,74 @@ Row measure(const std::string& name, std::size_t bytes, int iters, const Codec& 
   const double b = static_cast<double>(n * sizeof(float));
   return {name, n * sizeof(float), b / median(encode_s) / 1e9, b / median(decode_s) / 1e9, b / static_cast<double>(used)};
 }
+
+#if GRADSYNC_HAS_CUDA
+// Which codecs have a device path (cuda/codecs.hpp); error feedback runs over its codec's.
+template <class Codec>
+constexpr bool on_device = requires(const Codec& c, typename Codec::State& s, const float* in, std::byte* out,
+                                    cuda::Stream& stream) { cuda::encode(c, s, in, std::size_t{1}, out, stream); };
+template <class C>
+constexpr bool on_device<compression::ErrorFeedback<C>> = on_device<C>;
+
+// Owns device memory for the benchmark.
+template <class T>
+struct DeviceBuffer {
+  T* data = nullptr;
+  explicit DeviceBuffer(std::size_t n) {
+    if (cudaMalloc(&data, std::max<std::size_t>(n, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+  }
+  ~DeviceBuffer() { cudaFree(data); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+};
+
+template <class Codec>
+std::optional<Row> measure_device(const std::string& name, std::size_t bytes, int iters, const Codec& codec,
+                                  cuda::Stream& stream) {
+  if constexpr (!on_device<Codec>) {
+    return std::nullopt;
+  } else {
+    const std::size_t n = bytes / sizeof(float);
+    const std::vector<float> input = normal_input(n);
+    DeviceBuffer<float> in(n), out(n), residual(n);
+    DeviceBuffer<std::byte> encoded(codec.max_encoded_bytes(n, DType::f32));
+    cudaMemcpy(in.data, input.data(), bytes, cudaMemcpyHostToDevice);
+    cudaMemset(residual.data, 0, bytes);
+    auto state = codec.make_state(n, DType::f32);
+    const auto timed = [&](auto&& f) {
+      const auto start = Clock::now();
+      f();
+      stream.synchronize();
+      return std::chrono::duration<double>(Clock::now() - start).count();
+    };
+    std::vector<double> encode_s, decode_s, copy_s;
+    std::size_t used = 0;
+    for (int i = 0; i <= iters; ++i) {
+      const double e = timed([&] {
+        if constexpr (requires { codec.codec; })
+          used = cuda::encode_with_feedback(codec.codec, state.inner, in.data, residual.data, n, encoded.data, stream);
+        else
+          used = cuda::encode(codec, state, in.data, n, encoded.data, stream);
+      });
+      const double d = timed([&] {
+        if constexpr (requires { codec.codec; })
+          cuda::decode(codec.codec, encoded.data, used, out.data, n, DecodeMode::overwrite, stream);
+        else
+          cuda::decode(codec, encoded.data, used, out.data, n, DecodeMode::overwrite, stream);
+      });
+      const double c = timed([&] {
+        cudaMemcpyAsync(out.data, in.data, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream.native()));
+      });
+      if (i == 0) continue;  // warm-up
+      encode_s.push_back(e);
+      decode_s.push_back(d);
+      copy_s.push_back(c);
+    }
+    const double b = static_cast<double>(bytes);
+    return Row{name, bytes, b / median(encode_s) / 1e9, b / median(decode_s) / 1e9, b / static_cast<double>(used),
+               "cuda", b / median(copy_s) / 1e9};
+  }
+}
+#endif
 
 }  // namespace
 
@@ -103,14 +189,41 @@ int main(int argc, char** argv) try {
       std::fflush(stdout);
       rows.push_back(r);
     }
+#if GRADSYNC_HAS_CUDA
+  if (cuda::device_count() == 0) {
+    fmt::print("# no CUDA device: GPU figures need a machine with one\n");
+  } else {
+    cudaDeviceProp properties{};
+    cudaGetDeviceProperties(&properties, 0);
+    cuda::Stream stream;
+    fmt::print("#\n# on the GPU ({}), device buffers, one stream; copy: cudaMemcpy device to device of the input\n#\n",
+               properties.name);
+    fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9}\n", "codec", "size (B)", "encode", "decode",
+               "ratio", "copy", "enc/copy", "dec/copy");
+    fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9}\n", "", "", "(GB/s)", "(GB/s)", "", "(GB/s)", "",
+               "");
+    for (const std::string& name : cfg.codecs)
+      for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
+        const auto r = gradsync_examples::with_codec(
+            name, {}, [&](const auto& codec) { return measure_device(name, bytes, cfg.iters, codec, stream); });
+        if (!r) continue;  // no device path (top-k)
+        fmt::print("  {:>12} {:>12} {:>10.1f} {:>10.1f} {:>8.1f} {:>10.1f} {:>9.2f} {:>9.2f}\n", r->codec, r->bytes,
+                   r->encode_GBps, r->decode_GBps, r->ratio, r->copy_GBps, r->encode_GBps / r->copy_GBps,
+                   r->decode_GBps / r->copy_GBps);
+        std::fflush(stdout);
+        rows.push_back(*r);
+      }
+  }
+#endif
   if (!cfg.json.empty()) {
     auto out = fmt::output_file(cfg.json);
     out.print("[\n");
     for (std::size_t i = 0; i < rows.size(); ++i)
-      out.print(R"(  {{"codec": "{}", "bytes": {}, "device": "cpu", "encode_GBps": {:.3f}, "decode_GBps": {:.3f}, "ratio": {:.2f}}}{})"
+      out.print(R"(  {{"codec": "{}", "bytes": {}, "device": "{}", "encode_GBps": {:.3f}, "decode_GBps": {:.3f}, )"
+                R"("ratio": {:.2f}, "copy_GBps": {:.3f}}}{})"
                 "\n",
-                rows[i].codec, rows[i].bytes, rows[i].encode_GBps, rows[i].decode_GBps, rows[i].ratio,
-                i + 1 < rows.size() ? "," : "");
+                rows[i].codec, rows[i].bytes, rows[i].device, rows[i].encode_GBps, rows[i].decode_GBps, rows[i].ratio,
+                rows[i].copy_GBps, i + 1 < rows.size() ? "," : "");
     out.print("]\n");
   }
   return 0;
