@@ -10,6 +10,7 @@
 #include <cstring>
 #include <new>
 #include <numeric>
+#include <thread>
 
 #include "gradsync/gradsync.hpp"
 #include "support.hpp"
@@ -300,6 +301,59 @@ TEST_SUITE("synchronizer") {
     CHECK(plans[0] == BucketPlan{{{0, 2}, {1, 3}}});
     CHECK(plans[1] == plans[0]);
     CHECK(plans[2] == plans[0]);
+  }
+
+  TEST_CASE("time-clustered plans: ranks with different timings agree, and a re-plan keeps results exact") {
+    // Three layers of two gradients. Rank 0 leaves 8 ms between layers, then, from iteration 12,
+    // produces the second layer right after the first; rank 1 has no gaps, rank 2 gaps of 3 ms.
+    // Rank 0's timings decide the plan; every rank must hold it and the same averages throughout.
+    const std::vector<Spec> specs{{"l0.w", 300, DType::f32}, {"l0.b", 3, DType::f32}, {"l1.w", 200, DType::f32},
+                                  {"l1.b", 2, DType::f32},   {"l2.w", 100, DType::f32}, {"l2.b", 1, DType::f32}};
+    constexpr int n = 3, iterations = 32;
+    const bucketing::TimeClustered policy{.profile_iterations = 3, .check_every = 4, .min_bucket_bytes = 1,
+                                          .window = 3, .log = false};
+    std::vector<std::vector<Model>> inputs(iterations, std::vector<Model>(n, Model(specs)));
+    auto outputs = inputs;
+    for (int it = 0; it < iterations; ++it)
+      for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(it)][static_cast<std::size_t>(r)].fill(r, it);
+    std::vector<BucketPlan> plans(n);
+    std::vector<BucketPlan> rank0_history;
+    std::barrier step(n);
+    const auto errors = test::run_ranks(n, [&](InProcess& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      Model model(specs);
+      Synchronizer<bucketing::TimeClustered, compression::None, topology::Ring, InProcess> sync(std::move(t), {}, policy);
+      for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+      for (int it = 0; it < iterations; ++it) {
+        model = inputs[static_cast<std::size_t>(it)][r];
+        for (GradId layer = 0; layer < 3; ++layer) {
+          const auto gap = r == 1 ? 0ms : r == 2 ? 3ms : (it >= 12 && layer == 1) ? 0ms : 8ms;
+          if (layer > 0) std::this_thread::sleep_for(gap);
+          sync.ready(2 * layer);
+          sync.ready(2 * layer + 1);
+        }
+        sync.wait();
+        outputs[static_cast<std::size_t>(it)][r] = model;
+        plans[r] = sync.plan();
+        step.arrive_and_wait();
+        if (r == 0) {
+          CHECK(plans[1] == plans[0]);
+          CHECK(plans[2] == plans[0]);
+          if (rank0_history.empty() || rank0_history.back() != plans[0]) rank0_history.push_back(plans[0]);
+        }
+        step.arrive_and_wait();
+      }
+    });
+    for (const auto& e : errors)
+      if (e) FAIL(std::string(e->what()));
+    for (int it = 0; it < iterations; ++it) {
+      CAPTURE(it);
+      check_averages(inputs[static_cast<std::size_t>(it)], outputs[static_cast<std::size_t>(it)], 0);
+    }
+    // The default plan first, then one bucket per layer, then the first two layers together.
+    REQUIRE(rank0_history.size() == 3);
+    CHECK(rank0_history[1] == BucketPlan{{{0, 1}, {2, 3}, {4, 5}}});
+    CHECK(rank0_history[2] == BucketPlan{{{0, 1, 2, 3}, {4, 5}}});
   }
 
   TEST_CASE("a rank with a different layout gets a clear Error on every rank") {

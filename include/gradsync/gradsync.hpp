@@ -2,6 +2,7 @@
 // Everything a trainer needs: the Synchronizer and every policy this build ships.
 
 #include "gradsync/bucketing/fixed_size.hpp"
+#include "gradsync/bucketing/time_clustered.hpp"
 #include "gradsync/bucketing/per_tensor.hpp"
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/error_feedback.hpp"
