@@ -1,0 +1,211 @@
+// bench/replay — a training step driven by a trace: backward "computes" each layer for the time
+// the trace gives it, then marks that layer's gradients ready; real buffers of the traced sizes
+// are averaged by a Synchronizer over TCP. Reports, per bucketing policy, the iteration time, the
+// communication left exposed after backward, and the number of buckets.
+//
+//   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C]
+//          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
+//          [--drift-at N] [--drift-factor F] [--spin] [--json PATH]
+//
+// Ranks come from the launcher's variables (netcluster run, gradsync-run, torchrun...), one
+// policy per run. --size-scale multiplies every tensor's element count and --time-scale every
+// compute time, so that a model can be replayed on slow links at the compute-to-communication
+// ratio of a faster cluster: the defaults (1/8 of the bytes, 1.25x the time) put a 10 Gbit/s
+// cluster of the traced GPUs onto 1 Gbit/s links with runs short enough to repeat. --jitter X
+// stretches or shrinks each layer's time by a uniform random factor in [1-X, 1+X] per iteration;
+// --drift-at N makes the first half of backward (in trace order) --drift-factor times slower from
+// iteration N on, to show re-profiling. Compute waits by sleeping until each layer's deadline
+// (absolute, so errors do not add up); --spin busy-waits instead, which on a machine with fewer
+// cores than ranks measures CPU contention more than overlap.
+//
+// An iteration's time runs from the start of backward to the return of wait(); exposed is the
+// time wait() blocked. Medians over --iters iterations after --warmup, rank 0's view (all ranks
+// leave wait() together).
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/os.h>
+
+#include "gradsync/gradsync.hpp"
+#include "gradsync/transport/tcp.hpp"
+#include "trace.hpp"
+
+namespace {
+
+namespace gs = gradsync;
+using Clock = std::chrono::steady_clock;
+
+struct Config {
+  std::string trace;
+  std::string bucketing = "time-clustered";
+  double cap_mib = 25;
+  int iters = 20;
+  int warmup = 8;
+  double size_scale = 0.125;
+  double time_scale = 1.25;
+  double jitter = 0;
+  int drift_at = -1;
+  double drift_factor = 2;
+  bool spin = false;
+  std::string json;
+};
+
+struct Sample {
+  double iteration_ms = 0, exposed_ms = 0;
+  std::size_t buckets = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+gs::transport::Tcp connect() {
+  if (gs::launch::process_environment("RANK") || gs::launch::process_environment("OMPI_COMM_WORLD_RANK") ||
+      gs::launch::process_environment("PMI_RANK") || gs::launch::process_environment("SLURM_PROCID"))
+    return gs::transport::Tcp::from_env();
+  return gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = "single-process"});
+}
+
+template <class Bucketing>
+int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, const Bucketing& policy) {
+  gs::Synchronizer<Bucketing, gs::compression::None, gs::topology::Ring, gs::transport::Tcp> sync(
+      connect(), {.timeout = std::chrono::minutes(5)}, policy);
+  const int rank = sync.rank(), ranks = sync.size();
+  std::vector<std::vector<float>> grads;
+  std::size_t bytes = 0;
+  for (const auto& e : trace) {
+    grads.emplace_back(std::max<std::size_t>(1, static_cast<std::size_t>(static_cast<double>(e.count) * cfg.size_scale)),
+                       static_cast<float>(rank + 1));
+    bytes += grads.back().size() * sizeof(float);
+    sync.add(e.name, gs::view(grads.back()));
+  }
+  std::mt19937_64 gen(1000003u * static_cast<unsigned>(rank) + 17u);
+  std::uniform_real_distribution<double> stretch(1 - cfg.jitter, 1 + cfg.jitter);
+  std::vector<Sample> samples;
+  std::size_t plans = 0;
+  gs::BucketPlan last_plan;
+  std::vector<int> plan_changes;  // iterations whose plan differed from the one before
+  for (int it = 0; it < cfg.warmup + cfg.iters; ++it) {
+    const auto start = Clock::now();
+    auto deadline = start;
+    for (std::size_t k = 0; k < trace.size(); ++k) {
+      double us = trace[k].compute_us * cfg.time_scale;
+      if (cfg.jitter > 0 && us > 0) us *= stretch(gen);
+      if (cfg.drift_at >= 0 && it >= cfg.drift_at && k < trace.size() / 2) us *= cfg.drift_factor;
+      deadline += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::micro>(us));
+      if (cfg.spin) {
+        while (Clock::now() < deadline) {
+        }
+      } else if (deadline > Clock::now()) {
+        std::this_thread::sleep_until(deadline);
+      }
+      sync.ready(static_cast<gs::GradId>(k));
+    }
+    sync.wait();
+    const auto end = Clock::now();
+    if (it == 0) {  // every rank gave rank + 1 everywhere: the average is (ranks + 1) / 2
+      const float expected = static_cast<float>(ranks + 1) / 2;
+      for (const auto& g : grads)
+        for (float v : g)
+          if (v != expected) throw std::runtime_error(fmt::format("wrong average {} (expected {})", v, expected));
+    }
+    if (sync.plan() != last_plan) {
+      last_plan = sync.plan();
+      ++plans;
+      plan_changes.push_back(it);
+    }
+    if (it >= cfg.warmup)
+      samples.push_back({std::chrono::duration<double, std::milli>(end - start).count(),
+                         std::chrono::duration<double, std::milli>(sync.last_iteration().exposed).count(),
+                         sync.last_iteration().buckets});
+  }
+  if (rank != 0) return 0;
+  std::vector<double> times, exposed;
+  for (const auto& s : samples) {
+    times.push_back(s.iteration_ms);
+    exposed.push_back(s.exposed_ms);
+  }
+  const std::string policy_name =
+      cfg.bucketing == "fixed-size" ? fmt::format("fixed-size {:g} MiB", cfg.cap_mib) : cfg.bucketing;
+  fmt::print("# replay {}: {} tensors, {:.1f} MB of f32 gradients, {} ranks, size x{:g}, time x{:g}, jitter {:g}{}\n",
+             cfg.trace, trace.size(), static_cast<double>(bytes) / 1e6, ranks, cfg.size_scale, cfg.time_scale,
+             cfg.jitter, cfg.drift_at >= 0 ? fmt::format(", drift x{:g} from iteration {}", cfg.drift_factor, cfg.drift_at) : "");
+  fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6}\n", "policy", "buckets", "iteration (ms)", "exposed (ms)", "plans");
+  fmt::print("  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6}\n", policy_name, samples.back().buckets, median(times),
+             median(exposed), plans);
+  fmt::print("# plan changed after iterations: {}\n", fmt::join(plan_changes, ", "));
+  if (!cfg.json.empty()) {
+    auto out = fmt::output_file(cfg.json);
+    out.print(R"({{"trace": "{}", "policy": "{}", "ranks": {}, "bytes": {}, "size_scale": {}, "time_scale": {}, )"
+              R"("jitter": {}, "drift_at": {}, "drift_factor": {}, "buckets": {}, "iteration_ms": {:.3f}, )"
+              R"("exposed_ms": {:.3f}, "plan_changes": [{}], "samples": [)",
+              cfg.trace, policy_name, ranks, bytes, cfg.size_scale, cfg.time_scale, cfg.jitter, cfg.drift_at,
+              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), fmt::join(plan_changes, ", "));
+    for (std::size_t i = 0; i < samples.size(); ++i)
+      out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "buckets": {}}})", i ? ", " : "",
+                samples[i].iteration_ms, samples[i].exposed_ms, samples[i].buckets);
+    out.print("]}}\n");
+  }
+  return 0;
+}
+
+Config parse(int argc, char** argv) {
+  Config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--trace") cfg.trace = value();
+    else if (arg == "--bucketing") cfg.bucketing = value();
+    else if (arg == "--cap-mib") cfg.cap_mib = std::stod(value());
+    else if (arg == "--iters") cfg.iters = std::stoi(value());
+    else if (arg == "--warmup") cfg.warmup = std::stoi(value());
+    else if (arg == "--size-scale") cfg.size_scale = std::stod(value());
+    else if (arg == "--time-scale") cfg.time_scale = std::stod(value());
+    else if (arg == "--jitter") cfg.jitter = std::stod(value());
+    else if (arg == "--drift-at") cfg.drift_at = std::stoi(value());
+    else if (arg == "--drift-factor") cfg.drift_factor = std::stod(value());
+    else if (arg == "--spin") cfg.spin = true;
+    else if (arg == "--json") cfg.json = value();
+    else
+      throw std::invalid_argument("unknown option " + arg +
+                                  "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C "
+                                  "--iters I --warmup W --size-scale S --time-scale T --jitter X --drift-at N "
+                                  "--drift-factor F --spin --json PATH");
+  }
+  if (cfg.trace.empty()) throw std::invalid_argument("--trace FILE is required (bench/traces/*.trace)");
+  if (cfg.iters < 1 || cfg.warmup < 1 || cfg.size_scale <= 0 || cfg.time_scale < 0 || cfg.jitter < 0 ||
+      cfg.jitter >= 1 || cfg.cap_mib <= 0)
+    throw std::invalid_argument("need iters, warmup >= 1, size-scale > 0, time-scale >= 0, 0 <= jitter < 1, cap-mib > 0");
+  return cfg;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Config cfg = parse(argc, argv);
+  std::ifstream file(cfg.trace);
+  if (!file) throw std::runtime_error("cannot open " + cfg.trace);
+  const auto trace = gradsync_bench::read_trace(file, cfg.trace);
+  if (cfg.bucketing == "per-tensor") return run(cfg, trace, gs::bucketing::PerTensor{});
+  if (cfg.bucketing == "fixed-size") {
+    const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
+    return run(cfg, trace, gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)});
+  }
+  if (cfg.bucketing == "time-clustered") return run(cfg, trace, gs::bucketing::TimeClustered{});
+  throw std::invalid_argument("--bucketing must be per-tensor, fixed-size or time-clustered");
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "replay: %s\n", e.what());
+  return 2;
+}
