@@ -3,7 +3,7 @@
 // are averaged by a Synchronizer over TCP. Reports, per bucketing policy, the iteration time, the
 // communication left exposed after backward, and the number of buckets.
 //
-//   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C]
+//   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
 //          [--drift-at N] [--drift-factor F] [--spin] [--json PATH]
 //
@@ -47,6 +47,7 @@ struct Config {
   std::string trace;
   std::string bucketing = "time-clustered";
   double cap_mib = 25;
+  double min_bucket_kib = 0;  // time-clustered's min_bucket_bytes, 0: its default
   int iters = 20;
   int warmup = 8;
   double size_scale = 0.125;
@@ -169,6 +170,7 @@ Config parse(int argc, char** argv) {
     if (arg == "--trace") cfg.trace = value();
     else if (arg == "--bucketing") cfg.bucketing = value();
     else if (arg == "--cap-mib") cfg.cap_mib = std::stod(value());
+    else if (arg == "--min-bucket-kib") cfg.min_bucket_kib = std::stod(value());
     else if (arg == "--iters") cfg.iters = std::stoi(value());
     else if (arg == "--warmup") cfg.warmup = std::stoi(value());
     else if (arg == "--size-scale") cfg.size_scale = std::stod(value());
@@ -180,7 +182,7 @@ Config parse(int argc, char** argv) {
     else if (arg == "--json") cfg.json = value();
     else
       throw std::invalid_argument("unknown option " + arg +
-                                  "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C "
+                                  "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C --min-bucket-kib K "
                                   "--iters I --warmup W --size-scale S --time-scale T --jitter X --drift-at N "
                                   "--drift-factor F --spin --json PATH");
   }
@@ -203,7 +205,11 @@ int main(int argc, char** argv) try {
     const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
     return run(cfg, trace, gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)});
   }
-  if (cfg.bucketing == "time-clustered") return run(cfg, trace, gs::bucketing::TimeClustered{});
+  if (cfg.bucketing == "time-clustered") {
+    gs::bucketing::TimeClustered policy;
+    if (cfg.min_bucket_kib > 0) policy.min_bucket_bytes = static_cast<std::size_t>(cfg.min_bucket_kib * 1024);
+    return run(cfg, trace, policy);
+  }
   throw std::invalid_argument("--bucketing must be per-tensor, fixed-size or time-clustered");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "replay: %s\n", e.what());

@@ -1,7 +1,7 @@
 // fmnist — data-parallel training of an MLP on Fashion-MNIST through gradsync.
 //
 //   gradsync-run -n 4 fmnist [--epochs E] [--batch B] [--lr R] [--momentum M]
-//                            [--bucketing fixed-size|per-tensor] [--codec NAME] [--threshold T]
+//                            [--bucketing fixed-size|per-tensor|time-clustered] [--codec NAME] [--threshold T]
 //                            [--keep F] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]
 //
 // One process per rank over TCP, placed by the launcher's variables; run without a launcher it
@@ -39,7 +39,7 @@ struct Options {
 };
 
 constexpr const char* usage =
-    "usage: fmnist [--epochs E] [--batch B] [--lr R] [--momentum M] [--bucketing fixed-size|per-tensor]\n"
+    "usage: fmnist [--epochs E] [--batch B] [--lr R] [--momentum M] [--bucketing fixed-size|per-tensor|time-clustered]\n"
     "              [--codec NAME] [--threshold T] [--keep F] [--hidden 256,128] [--steps S] [--data DIR]\n"
     "              [--json PATH] [--seed N]\n"
     "Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.\n"
@@ -79,8 +79,8 @@ Options parse(int argc, char** argv) {
   }
   if (o.train.epochs < 1 || o.train.batch < 1 || o.hidden.empty())
     throw std::invalid_argument("--epochs and --batch must be positive and --hidden must list at least one layer");
-  if (o.bucketing != "fixed-size" && o.bucketing != "per-tensor")
-    throw std::invalid_argument("--bucketing must be fixed-size or per-tensor");
+  if (o.bucketing != "fixed-size" && o.bucketing != "per-tensor" && o.bucketing != "time-clustered")
+    throw std::invalid_argument("--bucketing must be fixed-size, per-tensor or time-clustered");
   return o;
 }
 
@@ -179,7 +179,9 @@ int with_codec(const Options& o) {
 
 int main(int argc, char** argv) try {
   const Options o = parse(argc, argv);
-  return o.bucketing == "per-tensor" ? with_codec<gs::bucketing::PerTensor>(o) : with_codec<gs::bucketing::FixedSize>(o);
+  if (o.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(o);
+  if (o.bucketing == "time-clustered") return with_codec<gs::bucketing::TimeClustered>(o);
+  return with_codec<gs::bucketing::FixedSize>(o);
 } catch (const std::exception& e) {
   std::fprintf(stderr, "fmnist: %s\n", e.what());
   return 1;

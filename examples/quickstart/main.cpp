@@ -3,7 +3,7 @@
 // Synchronizer layer by layer as backward produces them, waits for the averages, and steps. At
 // the end every rank must hold bit-identical parameters.
 //
-//   quickstart [--ranks N] [--steps S] [--codec NAME] [--bucketing fixed-size|per-tensor]
+//   quickstart [--ranks N] [--steps S] [--codec NAME] [--bucketing fixed-size|per-tensor|time-clustered]
 
 #include <barrier>
 #include <chrono>
@@ -178,12 +178,13 @@ int main(int argc, char** argv) try {
     else if (arg == "--codec") cfg.codec = value();
     else if (arg == "--bucketing") cfg.bucketing = value();
     else throw std::invalid_argument("unknown option " + arg +
-                                     "; use --ranks N --steps S --codec NAME --bucketing fixed-size|per-tensor");
+                                     "; use --ranks N --steps S --codec NAME --bucketing fixed-size|per-tensor|time-clustered");
   }
   if (cfg.ranks < 1 || cfg.steps < 1) throw std::invalid_argument("--ranks and --steps must be positive");
   if (cfg.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(cfg);
   if (cfg.bucketing == "fixed-size") return with_codec<gs::bucketing::FixedSize>(cfg);
-  throw std::invalid_argument("--bucketing must be fixed-size or per-tensor");
+  if (cfg.bucketing == "time-clustered") return with_codec<gs::bucketing::TimeClustered>(cfg);
+  throw std::invalid_argument("--bucketing must be fixed-size, per-tensor or time-clustered");
 } catch (const std::exception& e) {
   fmt::print(stderr, "quickstart: {}\n", e.what());
   return 2;
