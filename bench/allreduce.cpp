@@ -2,8 +2,8 @@
 // run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
 //   allreduce [--transport in-process|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]
-//             [--step-factor F] [--iters I] [--warmup W] [--codec NAME]
-//             [--chunk-bytes B] [--json PATH]
+//             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
+//             [--topology ring|parameter-server] [--partitions P] [--chunk-bytes B] [--json PATH]
 //
 // in-process: N ranks as threads of this process. tcp: one rank per process, placed by the
 // launcher's variables (gradsync-run, torchrun, mpirun, srun, netcluster run); --ranks is ignored.
@@ -47,6 +47,8 @@ struct Config {
   int warmup = 3;
   std::string codec = "none";
   gradsync_examples::CodecSettings codec_settings;
+  std::string topology = "ring";
+  std::size_t partitions = 0;  // parameter server: 0 = one per rank
   std::size_t chunk_bytes = std::size_t{1} << 20;
   std::string json;
 };
@@ -87,10 +89,16 @@ double memcpy_us(std::size_t bytes, int iters) {
   return median(times);
 }
 
+topology::ParameterServer parameter_server(const Config& cfg) {
+  return {.partitions = cfg.partitions, .chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
+}
+
 // What every element must hold after the first allreduce when rank r contributes r + 1 everywhere:
-// each segment's partial sum passes through the codec once per ring hop, in the ring's order.
+// on a ring each segment's partial sum passes through the codec once per hop, in the ring's order;
+// on a parameter server each part's root adds the others' values (each through the codec) to its
+// own, in group order.
 template <class Codec>
-std::vector<float> expected_average(const Codec& codec, int n, std::size_t count) {
+std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg) {
   const auto through = [&](float v) {
     auto state = codec.make_state(1, DType::f32);
     std::vector<std::byte> buffer(codec.max_encoded_bytes(1, DType::f32));
@@ -100,6 +108,21 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
     return out;
   };
   std::vector<float> expected(count);
+  if (cfg.topology == "parameter-server") {
+    const topology::ParameterServer ps = parameter_server(cfg);
+    const std::size_t parts = ps.partitions ? ps.partitions : static_cast<std::size_t>(n);
+    for (std::size_t p = 0; p < parts; ++p) {
+      const int root = ps.root(Group::world(0, n), p);
+      float sum = static_cast<float>(root + 1);
+      for (int s = 0; s < n; ++s)
+        if (s != root) sum += Codec::identity ? static_cast<float>(s + 1) : through(static_cast<float>(s + 1));
+      const float average = sum / static_cast<float>(n);
+      const ElemRange part = topology::Ring::segment(count, static_cast<int>(parts), static_cast<int>(p));
+      std::fill(expected.begin() + static_cast<std::ptrdiff_t>(part.begin), expected.begin() + static_cast<std::ptrdiff_t>(part.end),
+                Codec::identity || n == 1 ? average : through(average));
+    }
+    return expected;
+  }
   for (int s = 0; s < n; ++s) {
     float partial = static_cast<float>(s + 1);
     for (int k = 1; k < n; ++k) partial = static_cast<float>((s + k) % n + 1) + (Codec::identity ? partial : through(partial));
@@ -175,14 +198,17 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const int n = transport.size();
   const Group group = Group::world(transport.rank(), n);
   const topology::Ring ring{.chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
+  const topology::ParameterServer ps = parameter_server(cfg);
   Coordination<X> coordination(transport);
   std::vector<Row> rows;
   std::uint64_t iteration = 0;
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
     const std::size_t count = bytes / sizeof(float);
-    engine::BucketExchange<Codec, X> exchange(ring.schedule(group, count, codec_traits<Codec>()), codec, DType::f32);
+    engine::BucketExchange<Codec, X> exchange(cfg.topology == "ring" ? ring.schedule(group, count, codec_traits<Codec>())
+                                                                     : ps.schedule(group, count, codec_traits<Codec>()),
+                                              codec, DType::f32);
     std::vector<float> values(count);
-    const std::vector<float> expected = elementwise<Codec> ? expected_average(codec, n, count) : std::vector<float>{};
+    const std::vector<float> expected = elementwise<Codec> ? expected_average(codec, n, count, cfg) : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;
     for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
@@ -250,12 +276,15 @@ Config parse(int argc, char** argv) {
     else if (arg == "--codec") cfg.codec = value();
     else if (arg == "--threshold") cfg.codec_settings.threshold = std::stof(value());
     else if (arg == "--keep") cfg.codec_settings.keep = std::stod(value());
+    else if (arg == "--topology") cfg.topology = value();
+    else if (arg == "--partitions") cfg.partitions = std::stoull(value());
     else if (arg == "--chunk-bytes") cfg.chunk_bytes = parse_size(value());
     else if (arg == "--json") cfg.json = value();
     else if (arg == "--help" || arg == "-h") {
       fmt::print("usage: allreduce [--transport in-process|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]\n"
                  "                 [--step-factor F] [--iters I] [--warmup W] [--codec NAME]\n"
-                 "                 [--threshold T] [--keep F] [--chunk-bytes B] [--json PATH]\n"
+                 "                 [--threshold T] [--keep F] [--topology ring|parameter-server]\n"
+                 "                 [--partitions P] [--chunk-bytes B] [--json PATH]\n"
                  "sizes take K, M or G suffixes (binary); tcp ranks come from the launcher's variables\n"
                  "codecs: {}\n", gradsync_examples::codec_names);
       std::exit(0);
@@ -266,14 +295,16 @@ Config parse(int argc, char** argv) {
   if (cfg.ranks < 1 || cfg.iters < 1 || cfg.warmup < 1 || cfg.step_factor < 2 || cfg.min_bytes < sizeof(float) ||
       cfg.min_bytes > cfg.max_bytes)
     throw std::invalid_argument("need ranks >= 1, iters >= 1, warmup >= 1, step-factor >= 2, 4 <= min-bytes <= max-bytes");
+  if (cfg.topology != "ring" && cfg.topology != "parameter-server")
+    throw std::invalid_argument("--topology must be ring or parameter-server");
   if (cfg.transport != "in-process" && cfg.transport != "tcp")
     throw std::invalid_argument("--transport must be in-process or tcp");
   return cfg;
 }
 
 void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
-  fmt::print("# gradsync allreduce: {} ranks, transport {}, topology ring (chunk {} B), codec {}\n", ranks,
-             cfg.transport, cfg.chunk_bytes, cfg.codec);
+  fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {} (chunk {} B), codec {}\n", ranks,
+             cfg.transport, cfg.topology == "ring" ? "ring" : parameter_server(cfg).describe(), cfg.chunk_bytes, cfg.codec);
   fmt::print("# median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, one thread\n",
              cfg.iters, cfg.warmup);
   fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
@@ -295,10 +326,10 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const double algbw = static_cast<double>(r.bytes) / r.time_us / 1e3;
-    out.print(R"(  {{"bytes": {}, "ranks": {}, "topology": "ring", "codec": "{}", "transport": "{}", )"
+    out.print(R"(  {{"bytes": {}, "ranks": {}, "topology": "{}", "codec": "{}", "transport": "{}", )"
               R"("time_us": {:.3f}, "algbw_GBps": {:.5f}, "busbw_GBps": {:.5f}, "memcpy_us": {:.3f}, "wrong": {}}}{})"
               "\n",
-              r.bytes, ranks, cfg.codec, cfg.transport, r.time_us, algbw, algbw * bus_factor(ranks), r.memcpy_us,
+              r.bytes, ranks, cfg.topology, cfg.codec, cfg.transport, r.time_us, algbw, algbw * bus_factor(ranks), r.memcpy_us,
               r.checked ? fmt::to_string(r.wrong) : "null", i + 1 < rows.size() ? "," : "");
   }
   out.print("]\n");

@@ -54,7 +54,7 @@ inline std::vector<float> random_values(std::size_t n, std::uint64_t seed) {
 template <class C>
 float through(const C& codec, float v) {
   auto state = codec.make_state(1, DType::f32);
-  std::array<std::byte, 8> buffer{};
+  std::vector<std::byte> buffer(codec.max_encoded_bytes(1, DType::f32));
   const std::size_t used = codec.encode(std::span<const float>(&v, 1), state, buffer);
   float out = 0;
   codec.decode(std::span<const std::byte>(buffer).first(used), std::span<float>(&out, 1), DecodeMode::overwrite);

@@ -241,6 +241,12 @@ TEST_SUITE("synchronizer") {
     for (int n : {2, 5}) train<PerTensorSync>(n, mixed, 3, 0);
   }
 
+  TEST_CASE("the parameter-server topology under a Synchronizer: exact averages, same bits everywhere") {
+    using Sync = Synchronizer<bucketing::FixedSize, compression::None, topology::ParameterServer, InProcess>;
+    const bucketing::FixedSize small{.cap_bytes = 256, .first_cap_bytes = 64};
+    for (int n : {1, 2, 3, 5}) train<Sync>(n, mixed, 3, 0, {}, small);
+  }
+
   TEST_CASE("the default 25 MiB caps put a small model in one bucket") {
     auto world = InProcess::create_world(1);
     Model model(mixed);

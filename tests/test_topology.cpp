@@ -1,5 +1,6 @@
-// topology::Ring run by engine::BucketExchange over real in-process ranks: schedules pair up,
-// every rank ends bit-identical, and the result equals a reference summed in the ring's order.
+// topology::Ring and topology::ParameterServer run by engine::BucketExchange over real in-process
+// ranks: schedules pair up, every rank ends bit-identical, and the result equals a reference summed
+// in the topology's order.
 
 #include <doctest/doctest.h>
 
@@ -10,6 +11,9 @@
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
 #include "gradsync/engine/serial_executor.hpp"
+#include "gradsync/compression/error_feedback.hpp"
+#include "gradsync/compression/two_bit.hpp"
+#include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/ring.hpp"
 #include "support.hpp"
 
@@ -46,6 +50,50 @@ void check_ring(int n, std::size_t elements, std::size_t chunk) {
   }
 }
 
+// The parameter server's arithmetic done by hand: each part's root adds its own values, then the
+// others' in group order (each through the codec), averages, and everyone gets the average through
+// the codec.
+template <class C>
+std::vector<float> ps_reference(const C& codec, const topology::ParameterServer& ps,
+                                const std::vector<std::vector<float>>& inputs) {
+  const int n = static_cast<int>(inputs.size());
+  const std::size_t elements = inputs[0].size();
+  const std::size_t parts = ps.partitions ? ps.partitions : static_cast<std::size_t>(n);
+  std::vector<float> out(elements);
+  for (std::size_t p = 0; p < parts; ++p) {
+    const int root = ps.root(Group::world(0, n), p);
+    const ElemRange range = topology::Ring::segment(elements, static_cast<int>(parts), static_cast<int>(p));
+    for (std::size_t e = range.begin; e < range.end; ++e) {
+      float sum = inputs[static_cast<std::size_t>(root)][e];
+      for (int s = 0; s < n; ++s)
+        if (s != root) sum += C::identity ? inputs[static_cast<std::size_t>(s)][e] : test::through(codec, inputs[static_cast<std::size_t>(s)][e]);
+      const float average = sum / static_cast<float>(n);
+      out[e] = C::identity || n == 1 ? average : test::through(codec, average);
+    }
+  }
+  return out;
+}
+
+template <class C>
+std::vector<std::vector<float>> run_ps(const C& codec, const topology::ParameterServer& ps,
+                                       const std::vector<std::vector<float>>& inputs, int iterations = 1) {
+  const int n = static_cast<int>(inputs.size());
+  const std::size_t elements = inputs[0].size();
+  std::vector<std::vector<float>> outputs(static_cast<std::size_t>(n));
+  const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+    const Group group = Group::world(t.rank(), n);
+    engine::BucketExchange<C, transport::InProcess> exchange(ps.schedule(group, elements, codec_traits<C>()), codec,
+                                                             DType::f32);
+    auto& values = outputs[static_cast<std::size_t>(t.rank())];
+    for (int iteration = 0; iteration < iterations; ++iteration) {
+      values = inputs[static_cast<std::size_t>(t.rank())];
+      exchange.run(std::span<float>(values), codec, t, {group, static_cast<std::uint64_t>(iteration), 0, 10s});
+    }
+  });
+  for (const auto& e : errors) REQUIRE_FALSE(e);
+  return outputs;
+}
+
 }  // namespace
 
 TEST_SUITE("topology") {
@@ -80,5 +128,66 @@ TEST_SUITE("topology") {
                      compression::Fp16, compression::Bf16) {
     for (int n : {1, 2, 3, 5, 8})
       for (std::size_t elements : {1u, 13u, 1009u}) check_ring<C>(n, elements, 5);
+  }
+
+  TEST_CASE("every parameter-server send meets exactly one receive of the same size") {
+    for (int n : {1, 2, 3, 5}) {
+      for (std::size_t elements : {0u, 1u, 4u, 17u, 1000u}) {
+        for (const topology::ParameterServer ps : {topology::ParameterServer{.chunk_elements = 3},
+                                                   topology::ParameterServer{.partitions = 7, .servers = 2}}) {
+          for (bool identity : {true, false}) {
+            std::map<std::tuple<int, int, std::uint32_t>, std::size_t> sends, recvs;
+            for (int r = 0; r < n; ++r) {
+              const Schedule s = ps.schedule(Group::world(r, n), elements, {identity, false});
+              for (const Step& step : s.steps) {
+                if (step.op == Step::Op::send) CHECK(sends.emplace(std::tuple{r, step.peer, step.message}, step.range.size()).second);
+                if (step.op == Step::Op::recv) CHECK(recvs.emplace(std::tuple{step.peer, r, step.message}, step.range.size()).second);
+                if (step.slot != no_slot) CHECK(s.slot_elements[step.slot] == step.range.size());
+              }
+            }
+            CHECK(sends == recvs);
+            CHECK(sends.empty() == (n == 1 || elements == 0));
+          }
+        }
+      }
+    }
+  }
+
+  TEST_CASE_TEMPLATE("parameter server: every rank ends with the root's bits, equal to the reference", C,
+                     compression::None, compression::Fp16, compression::TwoBit) {
+    const C codec;
+    for (int n : {1, 2, 3, 4, 5}) {
+      // Partitions dividing evenly or not, more partitions than elements, roots on some ranks only,
+      // pieces smaller than a partition.
+      for (const topology::ParameterServer ps :
+           {topology::ParameterServer{}, topology::ParameterServer{.partitions = 7},
+            topology::ParameterServer{.partitions = 3, .servers = 1},
+            topology::ParameterServer{.partitions = 5, .servers = 2, .chunk_elements = 4}}) {
+        for (std::size_t elements : {1u, 2u, 13u, 1009u}) {
+          CAPTURE(n);
+          CAPTURE(elements);
+          CAPTURE(ps.describe());
+          std::vector<std::vector<float>> inputs;
+          for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(elements, 500u * static_cast<unsigned>(r) + elements));
+          const auto outputs = run_ps(codec, ps, inputs, 2);
+          const auto reference = ps_reference(codec, ps, inputs);
+          for (int r = 0; r < n; ++r) {
+            CAPTURE(r);
+            REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);
+          }
+        }
+      }
+    }
+  }
+
+  TEST_CASE("parameter server with error feedback: every rank the same bits, iteration after iteration") {
+    using C = compression::ErrorFeedback<compression::TwoBit>;
+    const C codec{{.threshold = 0.25f}};
+    for (int n : {2, 3, 5}) {
+      std::vector<std::vector<float>> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(301, 9u * static_cast<unsigned>(r)));
+      const auto outputs = run_ps(codec, topology::ParameterServer{.partitions = 4, .chunk_elements = 16}, inputs, 3);
+      for (int r = 1; r < n; ++r) REQUIRE(outputs[static_cast<std::size_t>(r)] == outputs[0]);
+    }
   }
 }

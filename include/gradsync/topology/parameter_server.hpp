@@ -1,0 +1,147 @@
+#pragma once
+// topology::ParameterServer — synchronous, co-located parameter-server aggregation (the form
+// BytePS and HiPress's PS mode use): each bucket is cut into `partitions` parts whose aggregation
+// roots are spread over the ranks (part p's root is server p mod servers); every other rank sends
+// its part to the root, the root adds the contributions, averages, and sends the result to
+// everyone. Each rank's uplink and downlink carry (n-1)/n of a bucket each way, as in a ring, but
+// in one hop instead of 2(n-1), at the price of n-1 messages arriving at each root at once.
+//
+// With a codec that is not the identity, a contribution travels encoded and the root decodes and
+// adds it; the root encodes the average once, decodes its own encoding (so it ends with the bits
+// everyone else receives) and sends the same bytes to all. Only the root sums a part, in a fixed
+// order — its own values, then the other ranks' in group order — so every rank ends with the same
+// bits.
+//
+// `partitions` 0 means one per rank; `servers` 0 means every rank is a root (co-located). With
+// servers = s, parts go round the first s ranks of the group. A bucket smaller than the partition
+// count leaves some parts empty; they send nothing. Parts are further cut into pieces of at most
+// `chunk_elements`, each its own message, so that a root adds one piece while the next arrives.
+
+#include <algorithm>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/topology/ring.hpp"
+
+namespace gradsync::topology {
+
+struct ParameterServer {
+  std::size_t partitions = 0;
+  std::size_t servers = 0;
+  std::size_t chunk_elements = std::size_t{1} << 18;  // 1 MiB of f32
+
+  std::string describe() const {
+    return fmt::format("parameter-server(partitions={}, servers={}, chunk={})", partitions, servers, chunk_elements);
+  }
+
+  // The group index of part p's root.
+  int root(const Group& group, std::size_t part) const {
+    const std::size_t s = servers == 0 ? static_cast<std::size_t>(group.size())
+                                       : std::min<std::size_t>(servers, static_cast<std::size_t>(group.size()));
+    return static_cast<int>(part % s);
+  }
+
+  Schedule schedule(const Group& group, std::size_t elements, CodecTraits codec) const {
+    Schedule out;
+    const int n = group.size();
+    const std::size_t parts = partitions == 0 ? static_cast<std::size_t>(n) : partitions;
+    const std::size_t chunk = std::max<std::size_t>(1, chunk_elements);
+    const bool identity = codec.identity;
+    const auto add = [&](Step step) {
+      out.steps.push_back(step);
+      return static_cast<std::uint32_t>(out.steps.size() - 1);
+    };
+    const auto new_slot = [&](ElemRange piece) {
+      out.slot_elements.push_back(piece.size());
+      return static_cast<std::uint32_t>(out.slot_elements.size() - 1);
+    };
+    const std::size_t max_pieces = (Ring::segment(elements, static_cast<int>(parts), 0).size() + chunk - 1) / chunk;
+    // Message ids: (phase 0 = contribution, 1 = result; part; piece), equal on both ends.
+    const auto message = [&](int phase, std::size_t part, std::size_t piece) {
+      return static_cast<std::uint32_t>((static_cast<std::size_t>(phase) * parts + part) * max_pieces + piece);
+    };
+    const auto for_pieces = [&](std::size_t part, auto&& f) {
+      const ElemRange range = Ring::segment(elements, static_cast<int>(parts), static_cast<int>(part));
+      for (std::size_t j = 0, count = (range.size() + chunk - 1) / chunk; j < count; ++j) {
+        const std::size_t begin = range.begin + j * chunk;
+        f(j, ElemRange{begin, std::min(range.end, begin + chunk)});
+      }
+    };
+    if (n == 1) {  // alone: the average is the value
+      for (std::size_t p = 0; p < parts; ++p) for_pieces(p, [&](std::size_t, ElemRange piece) { add({.op = Step::Op::average, .range = piece}); });
+      return out;
+    }
+
+    // Receives first, into fresh slots: contributions at the roots, encoded results elsewhere.
+    std::vector<std::vector<std::uint32_t>> incoming(parts);  // per part: receive steps, in order
+    for (std::size_t p = 0; p < parts; ++p) {
+      const int root_p = root(group, p);
+      for_pieces(p, [&](std::size_t j, ElemRange piece) {
+        if (group.rank == root_p) {
+          for (int s = 0; s < n; ++s)
+            if (s != root_p)
+              incoming[p].push_back(
+                  add({.op = Step::Op::recv, .peer = s, .message = message(0, p, j), .range = piece, .slot = new_slot(piece)}));
+        } else if (!identity) {
+          incoming[p].push_back(
+              add({.op = Step::Op::recv, .peer = root_p, .message = message(1, p, j), .range = piece, .slot = new_slot(piece)}));
+        }
+      });
+    }
+    // Contributions leave for the roots.
+    std::vector<std::vector<std::uint32_t>> sent(parts);
+    for (std::size_t p = 0; p < parts; ++p) {
+      const int root_p = root(group, p);
+      if (group.rank == root_p) continue;
+      for_pieces(p, [&](std::size_t j, ElemRange piece) {
+        std::uint32_t slot = no_slot;
+        if (!identity) {
+          slot = new_slot(piece);
+          add({.op = Step::Op::encode, .range = piece, .slot = slot});
+        }
+        sent[p].push_back(add({.op = Step::Op::send, .peer = root_p, .message = message(0, p, j), .range = piece, .slot = slot}));
+      });
+    }
+    // Roots: add each contribution as it arrives, average, and send the result to everyone.
+    for (std::size_t p = 0; p < parts; ++p) {
+      const int root_p = root(group, p);
+      if (group.rank != root_p) continue;
+      std::size_t next = 0;
+      for_pieces(p, [&](std::size_t j, ElemRange piece) {
+        for (int s = 0; s < n; ++s)
+          if (s != root_p) {
+            const std::uint32_t recv = incoming[p][next++];
+            add({.op = Step::Op::decode_add, .range = piece, .slot = out.steps[recv].slot, .after = recv});
+          }
+        add({.op = Step::Op::average, .range = piece});
+        std::uint32_t slot = no_slot;
+        if (!identity) {
+          slot = new_slot(piece);
+          add({.op = Step::Op::encode, .range = piece, .slot = slot});
+          add({.op = Step::Op::decode_copy, .range = piece, .slot = slot});
+        }
+        for (int s = 0; s < n; ++s)
+          if (s != root_p) add({.op = Step::Op::send, .peer = s, .message = message(1, p, j), .range = piece, .slot = slot});
+      });
+    }
+    // Everyone else takes the result: decoded from its slot, or received in place once its own
+    // contribution has left (the identity case, where the values are the send buffer).
+    for (std::size_t p = 0; p < parts; ++p) {
+      const int root_p = root(group, p);
+      if (group.rank == root_p) continue;
+      for_pieces(p, [&](std::size_t j, ElemRange piece) {
+        if (identity)
+          add({.op = Step::Op::recv, .peer = root_p, .message = message(1, p, j), .range = piece, .after = sent[p][j]});
+        else
+          add({.op = Step::Op::decode_copy, .range = piece, .slot = out.steps[incoming[p][j]].slot, .after = incoming[p][j]});
+      });
+    }
+    return out;
+  }
+};
+
+static_assert(TopologyPolicy<ParameterServer>);
+
+}  // namespace gradsync::topology
