@@ -362,6 +362,40 @@ TEST_SUITE("synchronizer") {
     CHECK(rank0_history[2] == BucketPlan{{{0, 1, 2, 3}, {4, 5}}});
   }
 
+  TEST_CASE("per-iteration counters: bytes, compression ratio, time after the last ready") {
+    const std::vector<Spec> specs{{"w", 4000, DType::f32}, {"b", 40, DType::f32}};
+    std::vector<IterationStats> none(2), two_bit(2);
+    const auto run = [&]<class C>(std::vector<IterationStats>& out) {
+      const auto errors = test::run_ranks(2, [&](InProcess& t) {
+        Model model(specs);
+        Synchronizer<bucketing::FixedSize, C, topology::Ring, InProcess> sync(std::move(t));
+        for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+        model.fill(sync.rank(), 0);
+        sync.ready(1);
+        sync.ready(0);
+        sync.wait();
+        out[static_cast<std::size_t>(sync.rank())] = sync.last_iteration();
+      });
+      for (const auto& e : errors) REQUIRE_FALSE(e);
+    };
+    run.template operator()<compression::None>(none);
+    run.template operator()<compression::TwoBit>(two_bit);
+    for (int r = 0; r < 2; ++r) {
+      const auto& n = none[static_cast<std::size_t>(r)];
+      const auto& q = two_bit[static_cast<std::size_t>(r)];
+      // A 2-rank ring sends one half of the 4040-value bucket in reduce-scatter, the other in
+      // allgather: 4040 values of 4 bytes.
+      CHECK(n.bytes_sent == 4040 * 4);
+      CHECK(n.bytes_uncompressed == n.bytes_sent);
+      CHECK(n.compression_ratio() == 1.0);
+      CHECK(q.bytes_uncompressed == 4040 * 4);
+      CHECK(q.bytes_sent == 2 * (8 + 4 + 4 * ((2020 + 15) / 16)));  // two 2020-value halves, 2 bits each
+      CHECK(q.compression_ratio() > 14.0);
+      CHECK(q.after_last_ready > std::chrono::nanoseconds{0});
+      CHECK(q.compute > std::chrono::nanoseconds{0});
+    }
+  }
+
   TEST_CASE("a rank with a different layout gets a clear Error on every rank") {
     const auto errors = test::run_ranks(3, [&](InProcess& t) {
       std::vector<float> a(10), b(t.rank() == 2 ? 11 : 10);

@@ -19,8 +19,21 @@ struct IterationStats {
   std::uint64_t iteration = 0;
   std::size_t buckets = 0;
   std::uint64_t bytes_sent = 0;
+  // What the same sends would have been in the accumulation dtype: bytes_uncompressed / bytes_sent
+  // is the compression the codec achieved on the wire.
+  std::uint64_t bytes_uncompressed = 0;
   // Time wait() spent blocked: the communication that backward did not hide.
   std::chrono::nanoseconds exposed{0};
+  // From the last ready() to the last bucket's average: the synchronization left after backward.
+  std::chrono::nanoseconds after_last_ready{0};
+  // On the communication thread: packing buckets and encode/decode/average steps, and time blocked
+  // on the transport.
+  std::chrono::nanoseconds compute{0};
+  std::chrono::nanoseconds waiting{0};
+
+  double compression_ratio() const {
+    return bytes_sent ? static_cast<double>(bytes_uncompressed) / static_cast<double>(bytes_sent) : 1.0;
+  }
 };
 
 }  // namespace gradsync

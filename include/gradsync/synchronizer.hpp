@@ -322,20 +322,33 @@ class Synchronizer {
     const engine::ExchangeContext context{group_, iteration, static_cast<std::uint32_t>(b), options_.timeout};
     if (bucket.in_place) {
       const std::span<V> values(static_cast<V*>(views_[plan_.buckets[b].front()].data), bucket.elements);
-      stats_.bytes_sent += bucket.exchange.run(values, codec_, transport_, context);
+      tally(bucket.exchange.run(values, codec_, transport_, context));
       return;
     }
     const auto values = bucket.values.template as<V>(bucket.elements);
+    auto started = std::chrono::steady_clock::now();
     for (GradId id : plan_.buckets[b]) detail::load<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count));
-    stats_.bytes_sent += bucket.exchange.run(values, codec_, transport_, context);
+    stats_.compute += std::chrono::steady_clock::now() - started;
+    tally(bucket.exchange.run(values, codec_, transport_, context));
+    started = std::chrono::steady_clock::now();
     for (GradId id : plan_.buckets[b])
       detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
+    stats_.compute += std::chrono::steady_clock::now() - started;
+  }
+
+  void tally(const engine::ExchangeStats& e) {
+    stats_.bytes_sent += e.bytes_sent;
+    stats_.bytes_uncompressed += e.bytes_uncompressed;
+    stats_.compute += e.compute;
+    stats_.waiting += e.waiting;
   }
 
   // Hands this iteration's timings to the bucketing policy and, when due, agrees a new plan.
   void end_iteration(std::uint64_t iteration) {
     stats_.iteration = iteration;
     stats_.buckets = buckets_.size();
+    const auto last_ready = std::max_element(ready_at_.begin(), ready_at_.end());
+    if (last_ready != ready_at_.end()) stats_.after_last_ready = std::chrono::steady_clock::now() - *last_ready;
     const std::int64_t first = first_ready_.load(std::memory_order_acquire);
     const auto start = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(first));
     for (std::size_t id = 0; id < layout_.size(); ++id) ready_time_[id] = ready_at_[id] - start;

@@ -33,6 +33,16 @@ struct ExchangeContext {
   std::chrono::milliseconds timeout;
 };
 
+// What one run cost: bytes sent, the bytes those sends would have been in the accumulation dtype
+// (so their ratio is the compression achieved), time in encode/decode/average, and time blocked
+// waiting for the transport.
+struct ExchangeStats {
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_uncompressed = 0;
+  std::chrono::nanoseconds compute{0};
+  std::chrono::nanoseconds waiting{0};
+};
+
 template <CompressionPolicy C, TransportPolicy X>
 class BucketExchange {
  public:
@@ -58,22 +68,24 @@ class BucketExchange {
 
   const Schedule& schedule() const noexcept { return schedule_; }
 
-  // Leaves the group's average in `values`; returns the bytes this rank sent.
+  // Leaves the group's average in `values`; returns what it cost.
   template <class T>
-  std::uint64_t run(std::span<T> values, const C& codec, X& transport, const ExchangeContext& ctx) {
+  ExchangeStats run(std::span<T> values, const C& codec, X& transport, const ExchangeContext& ctx) {
     std::fill(completed_.begin(), completed_.end(), std::uint8_t{0});
-    std::uint64_t sent = 0;
+    stats_ = {};
     std::size_t current = 0;
     try {
       for (; current < schedule_.steps.size(); ++current) {
         const Step& step = schedule_.steps[current];
         if (step.after != no_step) complete<T>(step.after, transport, ctx);
         const auto range = values.subspan(step.range.begin, step.range.size());
+        const auto started = std::chrono::steady_clock::now();
         switch (step.op) {
           case Step::Op::send: {
             const auto bytes = step.slot == no_slot ? std::as_bytes(range) : encoded(step.slot);
             transport.send(requests_[current], ctx.group.members[step.peer], tag(ctx, step), bytes);
-            sent += bytes.size();
+            stats_.bytes_sent += bytes.size();
+            stats_.bytes_uncompressed += range.size_bytes();
             break;
           }
           case Step::Op::recv:
@@ -91,6 +103,7 @@ class BucketExchange {
             break;
           }
         }
+        if (step.op != Step::Op::send && step.op != Step::Op::recv) stats_.compute += std::chrono::steady_clock::now() - started;
       }
       for (current = 0; current < schedule_.steps.size(); ++current) {
         const Step::Op op = schedule_.steps[current].op;
@@ -103,7 +116,7 @@ class BucketExchange {
                       .bucket = ctx.bucket,
                       .operation = std::string(name(step.op))});
     }
-    return sent;
+    return stats_;
   }
 
  private:
@@ -135,7 +148,9 @@ class BucketExchange {
   void complete(std::uint32_t index, X& transport, const ExchangeContext& ctx) {
     if (completed_[index]) return;
     const Step& step = schedule_.steps[index];
-    const std::size_t bytes = transport.wait(requests_[index], std::chrono::steady_clock::now() + ctx.timeout);
+    const auto started = std::chrono::steady_clock::now();
+    const std::size_t bytes = transport.wait(requests_[index], started + ctx.timeout);
+    stats_.waiting += std::chrono::steady_clock::now() - started;
     completed_[index] = 1;
     if (step.op != Step::Op::recv) return;
     if (step.slot != no_slot) {
@@ -155,6 +170,7 @@ class BucketExchange {
   std::vector<typename X::Request> requests_;  // one per step; only sends and receives use theirs
   std::vector<std::uint8_t> completed_;
   std::vector<typename C::State> states_;  // one per step; encode steps get real state
+  ExchangeStats stats_;
 };
 
 }  // namespace gradsync::engine
