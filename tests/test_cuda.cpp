@@ -36,6 +36,7 @@ struct DeviceVector {
   explicit DeviceVector(std::size_t n) : size(n) { REQUIRE(cudaMalloc(&data, std::max<std::size_t>(n, 1) * sizeof(T)) == cudaSuccess); }
   explicit DeviceVector(const std::vector<T>& host) : DeviceVector(host.size()) {
     REQUIRE(cudaMemcpy(data, host.data(), size * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the codecs' stream does not wait for the default one
   }
   ~DeviceVector() { cudaFree(data); }
   DeviceVector(const DeviceVector&) = delete;
@@ -48,7 +49,7 @@ struct DeviceVector {
 
 template <class C>
 void check_codec_matches(const C& codec) {
-  for (std::size_t n : {1u, 31u, 1000u, 70001u, 300000u}) {  // 70001: a sum tree of three levels
+  for (std::size_t n : {0u, 1u, 31u, 256u, 1000u, 65536u, 65537u, 300000u}) {  // sum-tree edges: 256, 65536
     CAPTURE(n);
     const auto in = test::random_values(n, n);
     const DeviceVector<float> device_in(in);
@@ -73,6 +74,14 @@ void check_codec_matches(const C& codec) {
       stream.synchronize();
       const auto back = device_out.host();
       for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(back[i], host_out[i]));
+
+      // And overwriting.
+      codec.decode(std::span<const std::byte>(host_bytes).first(host_used), std::span<float>(host_out),
+                   DecodeMode::overwrite);
+      cuda::decode(codec, device_bytes.data, device_used, device_out.data, n, DecodeMode::overwrite, stream);
+      stream.synchronize();
+      const auto overwritten = device_out.host();
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(overwritten[i], host_out[i]));
     }
     // A header that does not match the destination is refused before any kernel runs.
     const DeviceVector<float> other(n + 1);
@@ -108,7 +117,8 @@ TEST_SUITE("cuda") {
 
   TEST_CASE_TEMPLATE("device codecs write the CPU codecs' bytes and decode to the same values" * doctest::skip(no_device),
                      C, compression::Fp16, compression::Bf16, compression::TwoBit, compression::OneBit,
-                     compression::TernGrad<2>, compression::TernGrad<4>, compression::RandomK) {
+                     compression::TernGrad<2>, compression::TernGrad<4>, compression::TernGrad<8>,
+                     compression::RandomK) {
     if constexpr (std::is_same_v<C, compression::TwoBit>) check_codec_matches(C{.threshold = 0.3f});
     else if constexpr (std::is_same_v<C, compression::RandomK>) check_codec_matches(C{.keep = {.fraction = 0.05}, .seed = 4});
     else if constexpr (requires(C c) { c.seed; }) check_codec_matches(C{.seed = 9});

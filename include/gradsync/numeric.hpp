@@ -36,8 +36,9 @@ GRADSYNC_HD float float_of(std::uint32_t u) {
 
 // Single float operations, each rounded on its own: nvcc would otherwise fuse a multiply and an
 // add into one FMA on the device (one rounding instead of two) and a kernel's results would no
-// longer match the host's bit for bit. (Host code is built with ISO C++, where GCC and Clang do
-// not contract.)
+// longer match the host's bit for bit. On the host, g++ fuses too where the target has FMA, even
+// in ISO mode, so the build passes -ffp-contract=off (meson.build, and gradsync's dependency for
+// code that includes these headers).
 GRADSYNC_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);

@@ -43,6 +43,10 @@ void check_device_header(const std::byte* in, std::size_t bytes, compression::Co
   compression::check_header(std::span<const std::byte>(header).first(copied), bytes, id, codec, n, payload);
 }
 
+// Makes the stream's device current on the calling thread (which may not be the one that made
+// the stream: a Synchronizer's communication thread, say).
+void use(const Stream& stream) { check(cudaSetDevice(stream.device()), "set device"); }
+
 }  // namespace
 
 struct Stream::Impl {
@@ -60,9 +64,14 @@ int device_count() {
 
 Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
   impl_->device = device;
-  check(cudaSetDevice(device), "stream");
-  check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "stream");
-  check(cudaMalloc(&impl_->parameter, sizeof(float)), "stream");
+  try {
+    check(cudaSetDevice(device), "stream");
+    check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "stream");
+    check(cudaMalloc(&impl_->parameter, sizeof(float)), "stream");
+  } catch (...) {
+    if (impl_->stream) cudaStreamDestroy(impl_->stream);
+    throw;
+  }
 }
 
 Stream::~Stream() {
@@ -89,16 +98,19 @@ void Stream::reserve(std::size_t values) {
 
 std::size_t encode(const compression::Fp16&, compression::Fp16::State&, const float* in, std::size_t n, std::byte* out,
                    Stream& stream) {
+  use(stream);
   check(kernels::encode_f16(in, n, reinterpret_cast<std::uint16_t*>(out), stream.native()), "encode");
   return n * 2;
 }
 std::size_t encode(const compression::Bf16&, compression::Bf16::State&, const float* in, std::size_t n, std::byte* out,
                    Stream& stream) {
+  use(stream);
   check(kernels::encode_bf16(in, n, reinterpret_cast<std::uint16_t*>(out), stream.native()), "encode");
   return n * 2;
 }
 void decode(const compression::Fp16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
+  use(stream);
   compression::check_encoded_size("fp16", bytes, n, n * 2);
   check(kernels::decode_f16(reinterpret_cast<const std::uint16_t*>(in), n, out, mode == DecodeMode::add,
                             stream.native()),
@@ -106,6 +118,7 @@ void decode(const compression::Fp16&, const std::byte* in, std::size_t bytes, fl
 }
 void decode(const compression::Bf16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
+  use(stream);
   compression::check_encoded_size("bf16", bytes, n, n * 2);
   check(kernels::decode_bf16(reinterpret_cast<const std::uint16_t*>(in), n, out, mode == DecodeMode::add,
                              stream.native()),
@@ -114,6 +127,7 @@ void decode(const compression::Bf16&, const std::byte* in, std::size_t bytes, fl
 
 std::size_t encode(const compression::TwoBit& codec, compression::TwoBit::State&, const float* in, std::size_t n,
                    std::byte* out, Stream& stream) {
+  use(stream);
   check(kernels::encode_two_bit(in, n, out, header_word(compression::CodecId::two_bit, n), codec.threshold,
                                 stream.native()),
         "encode");
@@ -121,6 +135,7 @@ std::size_t encode(const compression::TwoBit& codec, compression::TwoBit::State&
 }
 void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
+  use(stream);
   check_device_header(in, bytes, compression::CodecId::two_bit, "two-bit", n, 4 + compression::Packed<2>::words(n) * 4,
                       stream);
   check(kernels::decode_two_bit(in, n, out, mode == DecodeMode::add, stream.native()), "decode");
@@ -128,6 +143,7 @@ void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, 
 
 std::size_t encode(const compression::OneBit&, compression::OneBit::State&, const float* in, std::size_t n,
                    std::byte* out, Stream& stream) {
+  use(stream);
   stream.reserve(n);
   check(kernels::encode_one_bit(in, n, out, header_word(compression::CodecId::one_bit, n), stream.impl().sums,
                                 stream.impl().parameter, stream.native()),
@@ -136,6 +152,7 @@ std::size_t encode(const compression::OneBit&, compression::OneBit::State&, cons
 }
 void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
+  use(stream);
   check_device_header(in, bytes, compression::CodecId::one_bit, "one-bit", n, 4 + compression::Packed<1>::words(n) * 4,
                       stream);
   check(kernels::decode_one_bit(in, n, out, mode == DecodeMode::add, stream.native()), "decode");
@@ -144,6 +161,7 @@ void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, 
 template <unsigned Bits>
 std::size_t encode(const compression::TernGrad<Bits>& codec, typename compression::TernGrad<Bits>::State& state,
                    const float* in, std::size_t n, std::byte* out, Stream& stream) {
+  use(stream);
   const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
   check(kernels::encode_terngrad(Bits, in, n, out, header_word(compression::CodecId::terngrad, n), key,
                                  stream.impl().parameter, stream.native()),
@@ -153,6 +171,7 @@ std::size_t encode(const compression::TernGrad<Bits>& codec, typename compressio
 template <unsigned Bits>
 void decode(const compression::TernGrad<Bits>&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
+  use(stream);
   using Layout = typename compression::TernGrad<Bits>::Layout;
   check_device_header(in, bytes, compression::CodecId::terngrad, "terngrad", n, 4 + Layout::words(n) * 4, stream);
   check(kernels::decode_terngrad(Bits, in, n, out, mode == DecodeMode::add, stream.native()), "decode");
@@ -173,6 +192,7 @@ template void decode(const compression::TernGrad<8>&, const std::byte*, std::siz
 
 std::size_t encode(const compression::RandomK& codec, compression::RandomK::State& state, const float* in,
                    std::size_t n, std::byte* out, Stream& stream) {
+  use(stream);
   const std::size_t k = codec.keep.of(n);
   const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
   check(kernels::encode_random_k(in, n, k, key, out, header_word(compression::CodecId::random_k, n), stream.native()),
@@ -181,16 +201,19 @@ std::size_t encode(const compression::RandomK& codec, compression::RandomK::Stat
 }
 void decode(const compression::RandomK& codec, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
+  use(stream);
   const std::size_t k = codec.keep.of(n);
   check_device_header(in, bytes, compression::CodecId::random_k, "random-k", n, 8 + 4 * k, stream);
   check(kernels::decode_random_k(in, n, k, out, mode == DecodeMode::add, stream.native()), "decode");
 }
 
 void accumulate(float* residual, const float* in, std::size_t n, Stream& stream) {
+  use(stream);
   check(kernels::accumulate(residual, in, n, stream.native()), "accumulate");
 }
 
 void negate(float* values, std::size_t n, Stream& stream) {
+  use(stream);
   check(kernels::negate(values, n, stream.native()), "negate");
 }
 

@@ -13,6 +13,11 @@
 #include "gradsync/numeric.hpp"
 #include "kernels.hpp"
 
+// Equality with the CPU needs IEEE division and denormals (nvcc's defaults).
+#if defined(__USE_FAST_MATH__) || (defined(__CUDA_FTZ) && __CUDA_FTZ) || (defined(__CUDA_PREC_DIV) && !__CUDA_PREC_DIV)
+#error "gradsync's kernels must match the CPU bit for bit: build them without --use_fast_math, -ftz=true or -prec-div=false"
+#endif
+
 namespace gradsync::cuda::kernels {
 
 namespace {

@@ -7,8 +7,11 @@
 //
 // Available where gradsync was built with CUDA (GRADSYNC_HAS_CUDA); every call throws a
 // gradsync::Error naming the CUDA error when the runtime fails. Calls are asynchronous on the
-// stream except decode, which waits for the header; encode returns the size the encoding will
-// have, known from n alone.
+// stream except decode (and so encode_with_feedback), which waits for the header; encode returns
+// the size the encoding will have, known from n alone. Inputs produced on another stream must be
+// ordered before these calls by the caller (an event). Encodings must start at 8-byte-aligned
+// device addresses (cudaMalloc gives 256). Results are bit-identical to the CPU codecs' except
+// for the payload and sign of NaNs, which the device canonicalizes.
 //
 // f32 values only. Covered: Fp16, Bf16, TwoBit, OneBit, TernGrad<Bits>, RandomK, and ErrorFeedback
 // over any of them (the residual is a device buffer of n floats, zeroed by the caller). TopK has
