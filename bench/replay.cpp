@@ -34,6 +34,7 @@
 #include <fmt/format.h>
 #include <fmt/os.h>
 
+#include "connect.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "trace.hpp"
@@ -69,17 +70,10 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
-gs::transport::Tcp connect() {
-  if (gs::launch::process_environment("RANK") || gs::launch::process_environment("OMPI_COMM_WORLD_RANK") ||
-      gs::launch::process_environment("PMI_RANK") || gs::launch::process_environment("SLURM_PROCID"))
-    return gs::transport::Tcp::from_env();
-  return gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = "single-process"});
-}
-
 template <class Bucketing>
 int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, const Bucketing& policy) {
   gs::Synchronizer<Bucketing, gs::compression::None, gs::topology::Ring, gs::transport::Tcp> sync(
-      connect(), {.timeout = std::chrono::minutes(5)}, policy);
+      gradsync_examples::connect_or_alone(), {.timeout = std::chrono::minutes(5)}, policy);
   const int rank = sync.rank(), ranks = sync.size();
   std::vector<std::vector<float>> grads;
   std::size_t bytes = 0;

@@ -50,6 +50,30 @@ void check_ring(int n, std::size_t elements, std::size_t chunk) {
   }
 }
 
+// Across all ranks' schedules, every send meets exactly one receive of the same size, slots fit
+// their ranges, and nothing travels when there is nothing to exchange.
+template <class Topology>
+void check_pairing(const Topology& topology, int n) {
+  CAPTURE(n);
+  CAPTURE(topology.describe());
+  for (std::size_t elements : {0u, 1u, 4u, 17u, 1000u}) {
+    for (bool identity : {true, false}) {
+      // (sender, receiver, message) -> elements
+      std::map<std::tuple<int, int, std::uint32_t>, std::size_t> sends, recvs;
+      for (int r = 0; r < n; ++r) {
+        const Schedule s = topology.schedule(Group::world(r, n), elements, {identity, false});
+        for (const Step& step : s.steps) {
+          if (step.op == Step::Op::send) CHECK(sends.emplace(std::tuple{r, step.peer, step.message}, step.range.size()).second);
+          if (step.op == Step::Op::recv) CHECK(recvs.emplace(std::tuple{step.peer, r, step.message}, step.range.size()).second);
+          if (step.slot != no_slot) CHECK(s.slot_elements[step.slot] == step.range.size());
+        }
+      }
+      CHECK(sends == recvs);
+      CHECK(sends.empty() == (n == 1 || elements == 0));
+    }
+  }
+}
+
 // The parameter server's arithmetic done by hand: each part's root adds its own values, then the
 // others' in group order (each through the codec), averages, and everyone gets the average through
 // the codec.
@@ -98,24 +122,7 @@ std::vector<std::vector<float>> run_ps(const C& codec, const topology::Parameter
 
 TEST_SUITE("topology") {
   TEST_CASE("every ring send meets exactly one receive of the same size") {
-    for (int n : {1, 2, 3, 5, 8}) {
-      for (std::size_t elements : {0u, 1u, 4u, 17u, 1000u}) {
-        for (bool identity : {true, false}) {
-          // (sender, receiver, message) -> elements
-          std::map<std::tuple<int, int, std::uint32_t>, std::size_t> sends, recvs;
-          for (int r = 0; r < n; ++r) {
-            const Schedule s = topology::Ring{.chunk_elements = 3}.schedule(Group::world(r, n), elements, {identity, false});
-            for (const Step& step : s.steps) {
-              if (step.op == Step::Op::send) CHECK(sends.emplace(std::tuple{r, step.peer, step.message}, step.range.size()).second);
-              if (step.op == Step::Op::recv) CHECK(recvs.emplace(std::tuple{step.peer, r, step.message}, step.range.size()).second);
-              if (step.slot != no_slot) CHECK(s.slot_elements[step.slot] == step.range.size());
-            }
-          }
-          CHECK(sends == recvs);
-          CHECK(sends.empty() == (n == 1 || elements == 0));
-        }
-      }
-    }
+    for (int n : {1, 2, 3, 5, 8}) check_pairing(topology::Ring{.chunk_elements = 3}, n);
   }
 
   TEST_CASE("ring allreduce with None matches the reference bit for bit") {
@@ -132,24 +139,8 @@ TEST_SUITE("topology") {
 
   TEST_CASE("every parameter-server send meets exactly one receive of the same size") {
     for (int n : {1, 2, 3, 5}) {
-      for (std::size_t elements : {0u, 1u, 4u, 17u, 1000u}) {
-        for (const topology::ParameterServer ps : {topology::ParameterServer{.chunk_elements = 3},
-                                                   topology::ParameterServer{.partitions = 7, .servers = 2}}) {
-          for (bool identity : {true, false}) {
-            std::map<std::tuple<int, int, std::uint32_t>, std::size_t> sends, recvs;
-            for (int r = 0; r < n; ++r) {
-              const Schedule s = ps.schedule(Group::world(r, n), elements, {identity, false});
-              for (const Step& step : s.steps) {
-                if (step.op == Step::Op::send) CHECK(sends.emplace(std::tuple{r, step.peer, step.message}, step.range.size()).second);
-                if (step.op == Step::Op::recv) CHECK(recvs.emplace(std::tuple{step.peer, r, step.message}, step.range.size()).second);
-                if (step.slot != no_slot) CHECK(s.slot_elements[step.slot] == step.range.size());
-              }
-            }
-            CHECK(sends == recvs);
-            CHECK(sends.empty() == (n == 1 || elements == 0));
-          }
-        }
-      }
+      check_pairing(topology::ParameterServer{.chunk_elements = 3}, n);
+      check_pairing(topology::ParameterServer{.partitions = 7, .servers = 2}, n);
     }
   }
 

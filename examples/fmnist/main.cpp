@@ -18,6 +18,7 @@
 #include <fmt/os.h>
 
 #include "codec_by_name.hpp"
+#include "connect.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "trainer.hpp"
@@ -82,13 +83,6 @@ Options parse(int argc, char** argv) {
   if (o.bucketing != "fixed-size" && o.bucketing != "per-tensor" && o.bucketing != "time-clustered")
     throw std::invalid_argument("--bucketing must be fixed-size, per-tensor or time-clustered");
   return o;
-}
-
-gs::transport::Tcp connect() {
-  if (gs::launch::process_environment("RANK") || gs::launch::process_environment("OMPI_COMM_WORLD_RANK") ||
-      gs::launch::process_environment("PMI_RANK") || gs::launch::process_environment("SLURM_PROCID"))
-    return gs::transport::Tcp::from_env();
-  return gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = "single-process"});
 }
 
 // A bar on a terminal; every tenth of the epoch as a line otherwise (gradsync-run, logs).
@@ -166,7 +160,7 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec) {
 
 template <class Bucketing>
 int with_codec(const Options& o) {
-  gs::transport::Tcp transport = connect();
+  gs::transport::Tcp transport = gradsync_examples::connect_or_alone();
   auto settings = o.codec_settings;
   settings.seed = o.train.seed;
   settings.rank = transport.rank();

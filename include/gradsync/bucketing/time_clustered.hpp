@@ -81,7 +81,6 @@ struct TimeClustered {
   // be given as designated initializers. Sized in initial_plan, so watching allocates nothing.
   struct Learned {
     std::vector<std::vector<Duration>> samples;  // per gradient, the latest iterations' times
-    std::size_t profiled = 0;                    // iterations in samples since they were cleared
     std::optional<Timed> pending;                // proposed, not yet installed
     std::optional<Timed> planned;                // installed; watched for drift
     std::vector<Duration> median, scratch;
@@ -117,7 +116,7 @@ struct TimeClustered {
       l.planned.reset();
       restart();
     }
-    if (!l.planned && !l.pending && l.profiled >= profile_iterations) {
+    if (!l.planned && !l.pending && profiled() >= profile_iterations) {
       l.pending = cluster(profile.layout, medians(profile_iterations));
       if (log) std::fputs(l.pending->summary(profile.layout).c_str(), stderr);
       restart();  // the drift window starts afresh
@@ -192,9 +191,11 @@ struct TimeClustered {
     return timed;
   }
 
+  // Iterations recorded since the samples were last cleared (every gradient has one per iteration).
+  std::size_t profiled() const { return learned.samples.empty() ? 0 : learned.samples.front().size(); }
+
   void restart() {
     for (auto& s : learned.samples) s.clear();
-    learned.profiled = 0;
   }
 
   void record(const ReadyProfile& profile) {
@@ -204,7 +205,6 @@ struct TimeClustered {
       while (s.size() >= keep) s.erase(s.begin());  // a handful of values: a shift, not an allocation
       s.push_back(profile.ready_time[id]);
     }
-    learned.profiled = std::min<std::size_t>(learned.profiled + 1, keep);
   }
 
   // Each gradient's median over its latest `count` times.
@@ -222,7 +222,7 @@ struct TimeClustered {
   // Whether the median times over the window moved a bucket's first or last gradient by more than
   // the tolerance.
   bool drifted() {
-    if (learned.profiled < window) return false;
+    if (profiled() < window) return false;
     const Timed& planned = *learned.planned;
     const std::vector<Duration>& now = medians(window);
     const Duration span = planned.last.back() - planned.first.front();
