@@ -18,7 +18,7 @@
 #include "gradsync/compression/terngrad.hpp"
 #include "gradsync/compression/top_k.hpp"
 #include "gradsync/compression/two_bit.hpp"
-#include "gradsync/engine/serial_executor.hpp"
+#include "gradsync/engine/exchange.hpp"
 #include "gradsync/topology/ring.hpp"
 #include "support.hpp"
 

@@ -10,7 +10,7 @@
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
-#include "gradsync/engine/serial_executor.hpp"
+#include "gradsync/engine/exchange.hpp"
 #include "gradsync/compression/error_feedback.hpp"
 #include "gradsync/compression/two_bit.hpp"
 #include "gradsync/topology/parameter_server.hpp"

@@ -18,6 +18,7 @@
 #include "gradsync/error.hpp"
 #include "gradsync/plan.hpp"
 #include "gradsync/schedule.hpp"
+#include "gradsync/transport/completion.hpp"
 #include "gradsync/types.hpp"
 
 namespace gradsync {
@@ -122,14 +123,19 @@ concept TopologyPolicy = std::copyable<T> &&
 //   test(req)                 true once complete; throws the operation's Error if it failed.
 //   wait(req, deadline)       blocks until complete and returns the bytes transferred; past the
 //                             deadline it withdraws the operation and throws Error(timeout).
+//   req.report_to(sink, id)   from then on, every completion or failure of `req` is also reported
+//                             to `sink` as `id` (transport/completion.hpp), so one thread can
+//                             follow many requests at once without polling.
 //   abort(error)              fails every pending operation of this rank and makes every rank
 //                             that depends on it fail fast with an Error that names this rank.
 template <class X>
 concept TransportPolicy = std::movable<X> &&
     requires(X& x, const X& cx, typename X::Request& req, int peer, std::uint64_t tag,
              std::span<const std::byte> out, std::span<std::byte> in,
-             std::chrono::steady_clock::time_point deadline, const Error& error) {
+             std::chrono::steady_clock::time_point deadline, const Error& error,
+             transport::CompletionSink* sink, std::uint64_t id) {
       requires std::default_initializable<typename X::Request>;
+      req.report_to(sink, id);
       { cx.rank() } -> std::same_as<int>;
       { cx.size() } -> std::same_as<int>;
       { cx.describe() } -> std::convertible_to<std::string>;

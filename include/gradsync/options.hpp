@@ -6,12 +6,26 @@
 
 namespace gradsync {
 
+// How each bucket's schedule is run. Both give bit-identical results.
+enum class Executor : std::uint8_t {
+  // engine::TaskGraph: encode/decode on compute threads, transfers posted and completed by a
+  // communication thread, so one piece's encode hides under another's transfer and several
+  // buckets are in flight at once.
+  task_graph,
+  // engine::BucketExchange::run: one thread walks each bucket's steps in list order, one bucket
+  // at a time; the naive baseline the task graph is measured against.
+  serial,
+};
+
 // Settings of a Synchronizer that are not part of any policy.
 struct Options {
   // How long any single wait may last: a transport operation, the layout exchange, or wait()
   // for an iteration whose gradients were not all marked ready. Training steps that take longer
   // than this between ready() calls need a larger value.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  Executor executor = Executor::task_graph;
+  // Threads serving the task graph's compute queue. Results do not depend on it.
+  int compute_threads = 1;
 };
 
 // What the last completed iteration cost this rank.
@@ -26,10 +40,15 @@ struct IterationStats {
   std::chrono::nanoseconds exposed{0};
   // From the last ready() to the last bucket's average: the synchronization left after backward.
   std::chrono::nanoseconds after_last_ready{0};
-  // On the communication thread: packing buckets and encode/decode/average steps, and time blocked
-  // on the transport.
+  // Time computing: packing buckets, encode/decode/average steps and copying averages back (summed
+  // over the threads doing it).
   std::chrono::nanoseconds compute{0};
+  // Serial executor: time its thread sat blocked on the transport.
   std::chrono::nanoseconds waiting{0};
+  // Task graph: time compute tasks sat ready in the compute queue, waiting for a thread (summed).
+  std::chrono::nanoseconds queued{0};
+  // Task graph: time with at least one transfer in flight (the communication queue's busy time).
+  std::chrono::nanoseconds in_flight{0};
 
   double compression_ratio() const {
     return bytes_sent ? static_cast<double>(bytes_uncompressed) / static_cast<double>(bytes_sent) : 1.0;

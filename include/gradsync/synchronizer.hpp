@@ -6,8 +6,11 @@
 //               bucket arrives, the communication thread is woken.
 //   the communication thread takes buckets strictly in plan order (the same on every rank, which
 //               is what keeps ranks from waiting on each other crosswise), copies the bucket's
-//               gradients into its flat buffer, runs the topology's schedule with the codec over
-//               the transport, and writes the averages back -- while backward goes on.
+//               gradients into its flat buffer and starts the topology's schedule with the codec
+//               over the transport on the executor (Options::executor): the task graph runs it
+//               on its own threads, several buckets at once, and writes the averages back as each
+//               bucket completes; the serial executor runs it on this thread, bucket by bucket.
+//               All of it while backward goes on.
 //   wait()      returns once every bucket is done, and readies the next iteration.
 //
 // At the first synchronization the ranks exchange their layouts and policy settings, and stop
@@ -33,7 +36,8 @@
 #include "gradsync/detail/aligned_buffer.hpp"
 #include "gradsync/detail/convert.hpp"
 #include "gradsync/detail/layout_check.hpp"
-#include "gradsync/engine/serial_executor.hpp"
+#include "gradsync/engine/exchange.hpp"
+#include "gradsync/engine/task_graph.hpp"
 #include "gradsync/options.hpp"
 
 namespace gradsync {
@@ -200,6 +204,15 @@ class Synchronizer {
       ready_at_.resize(n);
       order_.resize(n);
       ready_time_.resize(n);
+      if (options_.executor == Executor::task_graph)
+        engine_ = std::make_unique<engine::TaskGraph<C, X>>(
+            transport_, codec_, group_, options_.compute_threads, options_.timeout,
+            typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { copy_back(b); },
+                                                    .failed = [this] {
+                                                      std::lock_guard lock(mutex_);
+                                                      engine_failed_ = true;
+                                                      work_cv_.notify_all();
+                                                    }});
       install(bucketing_.initial_plan(layout_));
       thread_ = std::thread([this] { communicate_then_exit(); });
       frozen_.store(true, std::memory_order_release);
@@ -245,6 +258,11 @@ class Synchronizer {
     pending_ = std::make_unique<std::atomic<std::uint32_t>[]>(buckets_.size());
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       pending_[b].store(static_cast<std::uint32_t>(plan_.buckets[b].size()), std::memory_order_relaxed);
+    if (engine_) {
+      std::vector<engine::BucketExchange<C, X>*> exchanges;
+      for (Bucket& bucket : buckets_) exchanges.push_back(&bucket.exchange);
+      engine_->install(exchanges);
+    }
   }
 
   void communicate() {
@@ -258,6 +276,7 @@ class Synchronizer {
           else
             synchronize_bucket<float>(b, iteration);
         }
+        if (engine_) tally(engine_->finish());
         end_iteration(iteration);
         std::unique_lock lock(mutex_);
         done_ = true;
@@ -298,6 +317,10 @@ class Synchronizer {
     bool late_reported = false;
     for (;;) {
       if (stop_) return false;
+      if (engine_failed_) {  // finish() throws the engine's error once its threads are quiet
+        lock.unlock();
+        engine_->finish();
+      }
       if (pending_[b].load(std::memory_order_acquire) == 0) break;
       const std::int64_t first = first_ready_.load(std::memory_order_acquire);
       const auto expected = late_reported || first == 0 ? std::nullopt : bucketing_.expected_ready(b);
@@ -316,24 +339,43 @@ class Synchronizer {
     return true;
   }
 
+  // Packs bucket `b` and runs it (serial) or starts it (task graph, which calls copy_back(b)).
   template <class V>
   void synchronize_bucket(std::size_t b, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
-    const engine::ExchangeContext context{group_, iteration, static_cast<std::uint32_t>(b), options_.timeout};
-    if (bucket.in_place) {
-      const std::span<V> values(static_cast<V*>(views_[plan_.buckets[b].front()].data), bucket.elements);
-      tally(bucket.exchange.run(values, codec_, transport_, context));
-      return;
+    const auto values = bucket_values<V>(b);
+    if (!bucket.in_place) {
+      const auto started = std::chrono::steady_clock::now();
+      for (GradId id : plan_.buckets[b]) detail::load<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count));
+      stats_.compute += std::chrono::steady_clock::now() - started;
     }
-    const auto values = bucket.values.template as<V>(bucket.elements);
-    auto started = std::chrono::steady_clock::now();
-    for (GradId id : plan_.buckets[b]) detail::load<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count));
+    if (engine_) return engine_->start(static_cast<std::uint32_t>(b), values, iteration);
+    tally(bucket.exchange.run(values, codec_, transport_,
+                              {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout}));
+    const auto started = std::chrono::steady_clock::now();
+    copy_back(b);
     stats_.compute += std::chrono::steady_clock::now() - started;
-    tally(bucket.exchange.run(values, codec_, transport_, context));
-    started = std::chrono::steady_clock::now();
-    for (GradId id : plan_.buckets[b])
-      detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
-    stats_.compute += std::chrono::steady_clock::now() - started;
+  }
+
+  template <class V>
+  std::span<V> bucket_values(std::size_t b) {
+    Bucket& bucket = buckets_[b];
+    if (bucket.in_place) return {static_cast<V*>(views_[plan_.buckets[b].front()].data), bucket.elements};
+    return bucket.values.template as<V>(bucket.elements);
+  }
+
+  // Writes bucket `b`'s averages into its gradients (nothing to do for a bucket reduced in place).
+  void copy_back(std::size_t b) {
+    if (buckets_[b].in_place) return;
+    const auto store = [&](auto values) {
+      using V = typename decltype(values)::value_type;
+      for (GradId id : plan_.buckets[b])
+        detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
+    };
+    if (buckets_[b].dtype == DType::f64)
+      store(bucket_values<double>(b));
+    else
+      store(bucket_values<float>(b));
   }
 
   void tally(const engine::ExchangeStats& e) {
@@ -341,6 +383,8 @@ class Synchronizer {
     stats_.bytes_uncompressed += e.bytes_uncompressed;
     stats_.compute += e.compute;
     stats_.waiting += e.waiting;
+    stats_.queued += e.queued;
+    stats_.in_flight += e.in_flight;
   }
 
   // Hands this iteration's timings to the bucketing policy and, when due, agrees a new plan.
@@ -553,8 +597,11 @@ class Synchronizer {
   std::uint64_t generation_ = 0;     // bumped by wait(), releases the communication thread
   std::optional<Error> error_;
   std::atomic<bool> failed_{false};
+  bool engine_failed_ = false;  // the task graph reported a failure (guarded by mutex_)
   IterationStats last_stats_;
 
+  // Declared after the buckets its threads work on, so that it stops before they go.
+  std::unique_ptr<engine::TaskGraph<C, X>> engine_;
   std::thread thread_;
 };
 

@@ -47,8 +47,10 @@ struct InProcessWorld {
   int failed_rank = -1;
 
   // Once the state is stored the owner may return and free `r`: touch nothing of it afterwards.
+  // The sink hears first, while `r` is certainly alive.
   void finish(Request& r, Request::State state) {
     Waker& w = wakers[r.owner_];
+    r.report();
     r.state_.store(state, std::memory_order_release);
     { std::lock_guard lock(w.mutex); }
     w.cv.notify_all();

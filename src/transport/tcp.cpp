@@ -208,6 +208,7 @@ class TcpEngine {
     r.transferred_ = bytes;
     r.state_ = Request::State::done;
     cv_.notify_all();
+    r.report();
   }
 
   // Requires the lock.
@@ -215,6 +216,7 @@ class TcpEngine {
     r.error_ = e;
     r.state_ = Request::State::failed;
     cv_.notify_all();
+    r.report();
   }
 
   // A message to ourselves is matched and copied here, under the lock, as the in-process

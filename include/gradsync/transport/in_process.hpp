@@ -38,6 +38,7 @@ class InProcess {
     Request() = default;
     Request(const Request&) = delete;
     Request& operator=(const Request&) = delete;
+    using detail::Operation<Request>::report_to;
 
    private:
     friend struct detail::InProcessWorld;

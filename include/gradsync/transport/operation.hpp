@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "gradsync/error.hpp"
+#include "gradsync/transport/completion.hpp"
 
 namespace gradsync::transport::detail {
 
@@ -23,6 +24,17 @@ struct Operation {
   std::size_t size_ = 0;               // bytes offered (send) or room (receive)
   std::size_t transferred_ = 0;
   std::optional<Error> error_;
+  CompletionSink* sink_ = nullptr;  // told of every completion, if set (see completion.hpp)
+  std::uint64_t sink_id_ = 0;
+
+  // Names where this request reports its completions from now on; nullptr stops the reports.
+  void report_to(CompletionSink* sink, std::uint64_t id) noexcept {
+    sink_ = sink;
+    sink_id_ = id;
+  }
+  void report() const noexcept {
+    if (sink_) sink_->completed(sink_id_);
+  }
 
   void start(bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
              std::size_t size) {

@@ -58,6 +58,7 @@ class Tcp {
     Request() = default;
     Request(const Request&) = delete;
     Request& operator=(const Request&) = delete;
+    using detail::Operation<Request>::report_to;
 
    private:
     friend class detail::TcpEngine;

@@ -1,0 +1,227 @@
+#pragma once
+// engine::BucketExchange — everything one bucket's schedule needs to run, and the serial way of
+// running it.
+//
+// The exchange owns what the steps touch besides the bucket's values: the encoded scratch slots,
+// one transport request and one codec state per step. All of it is sized in the constructor, when
+// a plan is installed, so running allocates nothing. Each building block (perform a compute step,
+// post a transfer, take a finished receive) touches only its own step's slot, request and state,
+// so steps that do not depend on each other may run on different threads: that is what the task
+// graph engine (task_graph.hpp) does with them.
+//
+// run() is the serial executor, kept as the naive baseline: the calling thread walks the list in
+// order, performing encode, decode and averaging inline; a step waits for the transfer it depends
+// on, and transfers proceed on the transport's own threads meanwhile.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/detail/aligned_buffer.hpp"
+
+namespace gradsync::engine {
+
+// Tags carry the iteration (mod 2^16), the bucket and the schedule's message id, so messages of
+// neighbouring iterations or buckets can never be mistaken for each other.
+inline constexpr std::uint32_t control_bucket = 0xffff;
+inline constexpr std::size_t max_buckets = control_bucket;  // bucket ids 0..0xfffe
+
+constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, std::uint32_t message) noexcept {
+  return ((iteration & 0xffffu) << 48) | (static_cast<std::uint64_t>(bucket & 0xffffu) << 32) | message;
+}
+
+struct ExchangeContext {
+  const Group& group;
+  std::uint64_t iteration;
+  std::uint32_t bucket;
+  std::chrono::milliseconds timeout;
+};
+
+// What running exchanges cost: bytes sent, the bytes those sends would have been in the
+// accumulation dtype (so their ratio is the compression achieved), and time, per kind of work.
+struct ExchangeStats {
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_uncompressed = 0;
+  std::chrono::nanoseconds compute{0};    // encode, decode, average (and, in the engine, copy back)
+  std::chrono::nanoseconds waiting{0};    // serial executor: blocked waiting for the transport
+  std::chrono::nanoseconds queued{0};     // task graph: compute tasks ready but waiting for a thread
+  std::chrono::nanoseconds in_flight{0};  // task graph: time with at least one transfer in flight
+
+  ExchangeStats& operator+=(const ExchangeStats& o) {
+    bytes_sent += o.bytes_sent;
+    bytes_uncompressed += o.bytes_uncompressed;
+    compute += o.compute;
+    waiting += o.waiting;
+    queued += o.queued;
+    in_flight += o.in_flight;
+    return *this;
+  }
+};
+
+constexpr bool is_transfer(Step::Op op) noexcept { return op == Step::Op::send || op == Step::Op::recv; }
+
+constexpr std::string_view name(Step::Op op) noexcept {
+  switch (op) {
+    case Step::Op::send: return "send";
+    case Step::Op::recv: return "recv";
+    case Step::Op::encode: return "encode";
+    case Step::Op::decode_add: return "decode-add";
+    case Step::Op::decode_copy: return "decode-copy";
+    case Step::Op::average: return "average";
+  }
+  return "step";
+}
+
+template <CompressionPolicy C, TransportPolicy X>
+class BucketExchange {
+ public:
+  BucketExchange() = default;
+  BucketExchange(Schedule schedule, const C& codec, DType dtype)
+      : schedule_(std::move(schedule)),
+        slot_offset_(schedule_.slot_elements.size()),
+        slot_capacity_(schedule_.slot_elements.size()),
+        slot_bytes_(schedule_.slot_elements.size()),
+        requests_(schedule_.steps.size()),
+        completed_(schedule_.steps.size()) {
+    std::size_t total = 0;
+    for (std::size_t s = 0; s < slot_offset_.size(); ++s) {
+      slot_offset_[s] = total;
+      slot_capacity_[s] = codec.max_encoded_bytes(schedule_.slot_elements[s], dtype);
+      total += detail::align_up(slot_capacity_[s]);
+    }
+    scratch_ = detail::AlignedBuffer(total);
+    states_.reserve(schedule_.steps.size());
+    for (const Step& step : schedule_.steps)
+      states_.push_back(codec.make_state(step.op == Step::Op::encode ? step.range.size() : 0, dtype));
+  }
+
+  const Schedule& schedule() const noexcept { return schedule_; }
+
+  // The serial executor: leaves the group's average in `values`; returns what it cost.
+  template <class T>
+  ExchangeStats run(std::span<T> values, const C& codec, X& transport, const ExchangeContext& ctx) {
+    std::fill(completed_.begin(), completed_.end(), std::uint8_t{0});
+    ExchangeStats stats;
+    std::size_t current = 0;
+    try {
+      for (; current < schedule_.steps.size(); ++current) {
+        const Step& step = schedule_.steps[current];
+        if (step.after != no_step) complete<T>(step.after, transport, ctx, stats);
+        if (is_transfer(step.op)) {
+          post(current, values, transport, ctx, stats);
+        } else {
+          const auto started = std::chrono::steady_clock::now();
+          compute(current, values, codec, ctx.group.size());
+          stats.compute += std::chrono::steady_clock::now() - started;
+        }
+      }
+      for (current = 0; current < schedule_.steps.size(); ++current)
+        if (is_transfer(schedule_.steps[current].op)) complete<T>(static_cast<std::uint32_t>(current), transport, ctx, stats);
+    } catch (const Error& e) {
+      throw located(e, std::min(current, schedule_.steps.size() - 1), ctx);
+    }
+    return stats;
+  }
+
+  // ---- building blocks, each touching only its own step's slot, request and state --------------
+
+  // Runs encode, decode or average step `index` on `values`.
+  template <class T>
+  void compute(std::size_t index, std::span<T> values, const C& codec, int group_size) {
+    const Step& step = schedule_.steps[index];
+    const auto range = values.subspan(step.range.begin, step.range.size());
+    switch (step.op) {
+      case Step::Op::encode:
+        slot_bytes_[step.slot] = codec.encode(std::span<const T>(range), states_[index], capacity(step.slot));
+        break;
+      case Step::Op::decode_add: codec.decode(encoded(step.slot), range, DecodeMode::add); break;
+      case Step::Op::decode_copy: codec.decode(encoded(step.slot), range, DecodeMode::overwrite); break;
+      case Step::Op::average: {
+        const T n = static_cast<T>(group_size);
+        for (T& v : range) v /= n;
+        break;
+      }
+      case Step::Op::send:
+      case Step::Op::recv: break;
+    }
+  }
+
+  // Posts send or receive step `index`; counts the bytes a send puts on the wire.
+  template <class T>
+  void post(std::size_t index, std::span<T> values, X& transport, const ExchangeContext& ctx, ExchangeStats& stats) {
+    const Step& step = schedule_.steps[index];
+    const auto range = values.subspan(step.range.begin, step.range.size());
+    const int peer = ctx.group.members[step.peer];
+    const std::uint64_t tag = make_tag(ctx.iteration, ctx.bucket, step.message);
+    if (step.op == Step::Op::send) {
+      const auto bytes = step.slot == no_slot ? std::as_bytes(range) : encoded(step.slot);
+      transport.send(requests_[index], peer, tag, bytes);
+      stats.bytes_sent += bytes.size();
+      stats.bytes_uncompressed += range.size_bytes();
+    } else {
+      transport.recv(requests_[index], peer, tag,
+                     step.slot == no_slot ? std::as_writable_bytes(range) : capacity(step.slot));
+    }
+  }
+
+  // Records what finished receive `index` delivered: the slot's encoded size, or a check that an
+  // in-place receive filled its whole range.
+  template <class T>
+  void received(std::size_t index, std::size_t bytes) {
+    const Step& step = schedule_.steps[index];
+    if (step.slot != no_slot) {
+      slot_bytes_[step.slot] = bytes;
+    } else if (bytes != step.range.size() * sizeof(T)) {
+      throw Error(ErrorKind::protocol, {.operation = "recv"},
+                  fmt::format("expected {} bytes for elements [{}, {}), got {}", step.range.size() * sizeof(T),
+                              step.range.begin, step.range.end, bytes));
+    }
+  }
+
+  typename X::Request& request(std::size_t index) noexcept { return requests_[index]; }
+
+  // `e` with this rank, step `index`'s peer, the bucket and the step's operation filled in.
+  Error located(const Error& e, std::size_t index, const ExchangeContext& ctx) const {
+    const Step& step = schedule_.steps[index];
+    return e.filled({.rank = ctx.group.members[ctx.group.rank],
+                     .peer = step.peer >= 0 ? std::optional<int>(ctx.group.members[step.peer]) : std::nullopt,
+                     .bucket = ctx.bucket,
+                     .operation = std::string(name(step.op))});
+  }
+
+ private:
+  std::span<std::byte> capacity(std::uint32_t slot) const {
+    return {scratch_.data() + slot_offset_[slot], slot_capacity_[slot]};
+  }
+  std::span<const std::byte> encoded(std::uint32_t slot) const {
+    return {scratch_.data() + slot_offset_[slot], slot_bytes_[slot]};
+  }
+
+  // Waits for send or receive `index` once (serial executor only).
+  template <class T>
+  void complete(std::uint32_t index, X& transport, const ExchangeContext& ctx, ExchangeStats& stats) {
+    if (completed_[index]) return;
+    const auto started = std::chrono::steady_clock::now();
+    const std::size_t bytes = transport.wait(requests_[index], started + ctx.timeout);
+    stats.waiting += std::chrono::steady_clock::now() - started;
+    completed_[index] = 1;
+    if (schedule_.steps[index].op == Step::Op::recv) received<T>(index, bytes);
+  }
+
+  Schedule schedule_;
+  std::vector<std::size_t> slot_offset_;
+  std::vector<std::size_t> slot_capacity_;
+  std::vector<std::size_t> slot_bytes_;
+  detail::AlignedBuffer scratch_;
+  std::vector<typename X::Request> requests_;  // one per step; only sends and receives use theirs
+  std::vector<std::uint8_t> completed_;        // serial executor: transfers already waited for
+  std::vector<typename C::State> states_;      // one per step; encode steps get real state
+};
+
+}  // namespace gradsync::engine

@@ -1,0 +1,392 @@
+#pragma once
+// engine::TaskGraph — runs buckets' schedules as dependency graphs of tasks, on two kinds of
+// queue served by their own threads (the scheduling of HiPress's CaSync, seed 001):
+//
+//   compute         encode, decode-and-add, decode, average, and each bucket's epilogue (the
+//                   Synchronizer's copy back into the gradients); served by `compute_threads`
+//                   worker threads.
+//   communication   sends and receives; one thread posts them to the transport as they become
+//                   ready, hears of their completion from the transport (CompletionSink) and
+//                   enforces their deadlines. The bytes move on the transport's own threads.
+//
+// A task becomes ready when every task it depends on is done (dependencies.hpp): so one piece is
+// encoded while another is on the wire, a receive is decoded as soon as it lands, and several
+// buckets are in flight at once. Each queue hands out its ready tasks oldest bucket first, then in
+// schedule order. Since the graph keeps every ordering the list order relied on, the results are
+// bit for bit those of the serial executor, whatever the thread count or timing.
+//
+// Nothing is allocated per task: queues and per-step counters are sized by install().
+// The transport must have no request of this engine pending when it is destroyed; the
+// Synchronizer aborts the transport on failure, which settles them all.
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "gradsync/engine/dependencies.hpp"
+#include "gradsync/engine/exchange.hpp"
+
+namespace gradsync::engine {
+
+template <CompressionPolicy C, TransportPolicy X>
+class TaskGraph final : private transport::CompletionSink {
+ public:
+  struct Hooks {
+    std::function<void(std::uint32_t bucket)> bucket_done;  // on a compute thread, after the bucket's last step
+    std::function<void()> failed;  // once, when a task fails; called under the engine's lock: keep it short
+  };
+
+  TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
+            Hooks hooks)
+      : transport_(transport), codec_(codec), group_(group), timeout_(timeout), hooks_(std::move(hooks)) {
+    for (int i = 0; i < std::max(1, compute_threads); ++i) workers_.emplace_back([this] { compute_loop(); });
+    communication_ = std::thread([this] { communication_loop(); });
+  }
+
+  TaskGraph(const TaskGraph&) = delete;
+  TaskGraph& operator=(const TaskGraph&) = delete;
+
+  ~TaskGraph() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    compute_cv_.notify_all();
+    communication_cv_.notify_all();
+    for (auto& worker : workers_) worker.join();
+    communication_.join();
+  }
+
+  // Takes the buckets of a new plan, in plan order; no bucket may be running. The exchanges must
+  // stay where they are until the next install().
+  void install(std::span<BucketExchange<C, X>* const> exchanges) {
+    std::lock_guard lock(mutex_);
+    jobs_.clear();
+    jobs_.resize(exchanges.size());
+    std::size_t steps = 0, transfers = 0;
+    for (std::size_t b = 0; b < exchanges.size(); ++b) {
+      Job& job = jobs_[b];
+      job.exchange = exchanges[b];
+      const auto& list = job.exchange->schedule().steps;
+      job.graph = dependencies_of(job.exchange->schedule());
+      job.waiting.resize(list.size());
+      job.ready_at.resize(list.size() + 1);
+      job.settled.resize(list.size());
+      steps += list.size() + 1;
+      for (std::size_t s = 0; s < list.size(); ++s)
+        if (is_transfer(list[s].op)) {
+          ++transfers;
+          job.exchange->request(s).report_to(this, task_id(static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(s)));
+        }
+    }
+    compute_ready_.reserve(steps);
+    communication_ready_.reserve(transfers);
+    completions_.reserve(transfers);
+    settling_.reserve(transfers);
+    posting_.reserve(transfers);
+    finished_.reserve(transfers);
+    posted_.reserve(transfers);
+  }
+
+  // Starts bucket `bucket` of the installed plan on `values` (which must stay alive and untouched
+  // until finish() returns).
+  template <class T>
+  void start(std::uint32_t bucket, std::span<T> values, std::uint64_t iteration) {
+    std::lock_guard lock(mutex_);
+    if (failed_) return;  // finish() reports why
+    Job& job = jobs_[bucket];
+    job.values = values.data();
+    job.elements = values.size();
+    job.f64 = std::is_same_v<T, double>;
+    job.iteration = iteration;
+    std::copy(job.graph.count.begin(), job.graph.count.end(), job.waiting.begin());
+    std::fill(job.settled.begin(), job.settled.end(), std::uint8_t{0});
+    job.left = static_cast<std::uint32_t>(job.waiting.size());
+    ++running_buckets_;
+    if (job.left == 0) return make_ready(bucket, job.steps());  // nothing to exchange: straight to the epilogue
+    for (std::uint32_t s = 0; s < job.waiting.size(); ++s)
+      if (job.waiting[s] == 0) make_ready(bucket, s);
+  }
+
+  // Blocks until every started bucket is done, its epilogue included, and returns what the
+  // iteration cost. If a task failed, waits until no engine thread touches a buffer any more,
+  // then throws the first failure's Error (naming rank, peer, bucket and operation).
+  ExchangeStats finish() {
+    std::unique_lock lock(mutex_);
+    done_cv_.wait(lock, [&] { return running_buckets_ == 0 || quiet_after_failure(); });
+    if (failed_) throw *error_;
+    posted_.clear();
+    posted_head_ = 0;
+    return std::exchange(stats_, {});
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct Job {
+    BucketExchange<C, X>* exchange = nullptr;
+    Dependencies graph;
+    std::vector<std::uint32_t> waiting;       // per step: dependencies not yet done
+    std::vector<Clock::time_point> ready_at;  // per compute task (and the epilogue): when it was queued
+    std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
+    std::uint32_t left = 0;                   // steps not yet done
+    void* values = nullptr;
+    std::size_t elements = 0;
+    bool f64 = false;
+    std::uint64_t iteration = 0;
+
+    std::uint32_t steps() const noexcept { return static_cast<std::uint32_t>(waiting.size()); }
+  };
+
+  struct Posted {
+    Clock::time_point deadline;
+    std::uint64_t task;
+  };
+
+  static std::uint64_t task_id(std::uint32_t bucket, std::uint32_t step) noexcept {
+    return (std::uint64_t{bucket} << 32) | step;
+  }
+  static std::uint32_t bucket_of(std::uint64_t task) noexcept { return static_cast<std::uint32_t>(task >> 32); }
+  static std::uint32_t step_of(std::uint64_t task) noexcept { return static_cast<std::uint32_t>(task); }
+
+  ExchangeContext context(const Job& job, std::uint32_t bucket) const {
+    return {group_, job.iteration, bucket, timeout_};
+  }
+
+  template <class F>
+  static void with_values(const Job& job, F&& f) {
+    if (job.f64)
+      f(std::span<double>(static_cast<double*>(job.values), job.elements));
+    else
+      f(std::span<float>(static_cast<float*>(job.values), job.elements));
+  }
+
+  // ---- with the lock held ----------------------------------------------------------------------
+
+  void make_ready(std::uint32_t bucket, std::uint32_t step) {
+    Job& job = jobs_[bucket];
+    const std::uint64_t task = task_id(bucket, step);
+    if (step < job.steps() && is_transfer(job.exchange->schedule().steps[step].op)) {
+      communication_ready_.push_back(task);
+      std::push_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
+      communication_cv_.notify_one();
+    } else {
+      job.ready_at[step] = Clock::now();
+      compute_ready_.push_back(task);
+      std::push_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
+      compute_cv_.notify_one();
+    }
+  }
+
+  // Task done: its successors may become ready; the bucket's last step readies its epilogue, and
+  // the epilogue ends the bucket.
+  void done(std::uint64_t task) {
+    const std::uint32_t bucket = bucket_of(task), step = step_of(task);
+    Job& job = jobs_[bucket];
+    if (step == job.steps()) {
+      if (--running_buckets_ == 0) done_cv_.notify_all();
+      return;
+    }
+    const Dependencies& graph = job.graph;
+    for (std::uint32_t i = graph.first[step]; i < graph.first[step + 1]; ++i)
+      if (--job.waiting[graph.successors[i]] == 0) make_ready(bucket, graph.successors[i]);
+    if (--job.left == 0) make_ready(bucket, job.steps());
+  }
+
+  void fail(Error e) {
+    if (failed_) return;
+    failed_ = true;
+    error_ = std::move(e);
+    compute_cv_.notify_all();
+    communication_cv_.notify_all();
+    done_cv_.notify_all();
+    if (hooks_.failed) hooks_.failed();
+  }
+
+  bool quiet_after_failure() const { return failed_ && running_compute_ == 0 && !communicating_; }
+
+  // ---- the compute queue -----------------------------------------------------------------------
+
+  void compute_loop() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      compute_cv_.wait(lock, [&] { return stopping_ || (!failed_ && !compute_ready_.empty()); });
+      if (stopping_) return;
+      std::pop_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
+      const std::uint64_t task = compute_ready_.back();
+      compute_ready_.pop_back();
+      const std::uint32_t bucket = bucket_of(task), step = step_of(task);
+      Job& job = jobs_[bucket];
+      const auto started = Clock::now();
+      stats_.queued += started - job.ready_at[step];
+      ++running_compute_;
+      lock.unlock();
+
+      std::optional<Error> error;
+      try {
+        if (step == job.steps())
+          hooks_.bucket_done(bucket);
+        else
+          with_values(job, [&](auto values) { job.exchange->compute(step, values, codec_, group_.size()); });
+      } catch (const Error& e) {
+        error = step == job.steps() ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})
+                                    : job.exchange->located(e, step, context(job, bucket));
+      } catch (const std::exception& e) {
+        error = Error(ErrorKind::internal, {.rank = group_.members[group_.rank], .bucket = bucket, .operation = "compute"},
+                      e.what());
+      }
+      const auto ended = Clock::now();
+
+      lock.lock();
+      --running_compute_;
+      stats_.compute += ended - started;
+      if (error)
+        fail(std::move(*error));
+      else if (!failed_)
+        done(task);
+      if (quiet_after_failure()) done_cv_.notify_all();
+    }
+  }
+
+  // ---- the communication queue -----------------------------------------------------------------
+
+  // With the lock held: moves past transfers already settled; true if one is still pending.
+  bool oldest_pending() {
+    for (; posted_head_ < posted_.size(); ++posted_head_) {
+      const std::uint64_t task = posted_[posted_head_].task;
+      if (!jobs_[bucket_of(task)].settled[step_of(task)]) return true;
+    }
+    return false;
+  }
+
+  // Called by the transport, possibly under its lock: only records the completion.
+  void completed(std::uint64_t task) noexcept override {
+    std::lock_guard lock(mutex_);
+    if (failed_ || completions_.size() == completions_.capacity()) return;
+    completions_.push_back(task);
+    communication_cv_.notify_one();
+  }
+
+  void communication_loop() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      const auto has_work = [&] {
+        return stopping_ || (!failed_ && (!communication_ready_.empty() || !completions_.empty()));
+      };
+      if (!failed_ && oldest_pending())
+        communication_cv_.wait_until(lock, posted_[posted_head_].deadline, has_work);
+      else
+        communication_cv_.wait(lock, has_work);
+      if (stopping_) return;
+      if (failed_) continue;
+      const bool overdue = oldest_pending() && Clock::now() >= posted_[posted_head_].deadline;
+
+      while (!communication_ready_.empty()) {
+        std::pop_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
+        posting_.push_back(communication_ready_.back());
+        communication_ready_.pop_back();
+      }
+      std::swap(completions_, settling_);
+      const std::optional<Posted> oldest = overdue ? std::optional<Posted>(posted_[posted_head_]) : std::nullopt;
+      communicating_ = true;
+      lock.unlock();
+
+      std::optional<Error> error;
+      ExchangeStats sent;
+      std::uint64_t current = 0;
+      try {
+        for (std::uint64_t task : posting_) {
+          current = task;
+          Job& job = jobs_[bucket_of(task)];
+          with_values(job, [&](auto values) {
+            job.exchange->post(step_of(task), values, transport_, context(job, bucket_of(task)), sent);
+          });
+        }
+        for (std::uint64_t task : settling_) {
+          current = task;
+          Job& job = jobs_[bucket_of(task)];
+          const std::size_t bytes = transport_.wait(job.exchange->request(step_of(task)), Clock::now() + timeout_);
+          if (job.exchange->schedule().steps[step_of(task)].op == Step::Op::recv)
+            with_values(job, [&](auto values) {
+              job.exchange->template received<typename decltype(values)::value_type>(step_of(task), bytes);
+            });
+          finished_.push_back(task);
+        }
+        if (oldest) {
+          // Past its deadline: the transport withdraws it and throws, unless it has just completed
+          // (then its report is already on the way).
+          current = oldest->task;
+          transport_.wait(jobs_[bucket_of(current)].exchange->request(step_of(current)), oldest->deadline);
+        }
+      } catch (const Error& e) {
+        const Job& job = jobs_[bucket_of(current)];
+        error = job.exchange->located(e, step_of(current), context(job, bucket_of(current)));
+      }
+      const auto now = Clock::now();
+
+      lock.lock();
+      communicating_ = false;
+      for (std::uint64_t task : posting_) {
+        if (in_flight_++ == 0) in_flight_since_ = now;
+        posted_.push_back({now + timeout_, task});
+      }
+      for (std::uint64_t task : finished_) {
+        jobs_[bucket_of(task)].settled[step_of(task)] = 1;
+        if (--in_flight_ == 0) stats_.in_flight += now - in_flight_since_;
+      }
+      stats_.bytes_sent += sent.bytes_sent;
+      stats_.bytes_uncompressed += sent.bytes_uncompressed;
+      if (error) {
+        fail(std::move(*error));
+      } else {
+        for (std::uint64_t task : finished_) done(task);
+      }
+      posting_.clear();
+      settling_.clear();
+      finished_.clear();
+      if (quiet_after_failure()) done_cv_.notify_all();
+    }
+  }
+
+  X& transport_;
+  const C& codec_;
+  const Group& group_;
+  std::chrono::milliseconds timeout_;
+  Hooks hooks_;
+
+  std::mutex mutex_;
+  std::condition_variable compute_cv_;
+  std::condition_variable communication_cv_;
+  std::condition_variable done_cv_;
+  std::vector<Job> jobs_;
+  std::vector<std::uint64_t> compute_ready_;        // min-heap: oldest bucket, then schedule order
+  std::vector<std::uint64_t> communication_ready_;  // min-heap, likewise
+  std::vector<std::uint64_t> completions_;          // reported by the transport, not yet settled
+  std::vector<Posted> posted_;                      // this iteration's transfers, in posting order
+  std::size_t posted_head_ = 0;                     // the oldest that may still be pending
+  std::size_t running_buckets_ = 0;
+  std::size_t running_compute_ = 0;
+  bool communicating_ = false;  // the communication thread is working outside the lock
+  std::size_t in_flight_ = 0;
+  Clock::time_point in_flight_since_;
+  bool failed_ = false;
+  bool stopping_ = false;
+  std::optional<Error> error_;
+  ExchangeStats stats_;
+
+  // The communication thread's batches, kept here so that their capacity is reused.
+  std::vector<std::uint64_t> posting_;
+  std::vector<std::uint64_t> settling_;
+  std::vector<std::uint64_t> finished_;
+
+  std::vector<std::thread> workers_;
+  std::thread communication_;
+};
+
+}  // namespace gradsync::engine
