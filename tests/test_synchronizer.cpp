@@ -191,6 +191,31 @@ void train(int n, const std::vector<Spec>& specs, int iterations, double codec_u
   }
 }
 
+// Every rank's gradients after each of `iterations` steps (inputs as in train()).
+template <class Sync>
+std::vector<std::vector<Model>> results_of(int n, const std::vector<Spec>& specs, int iterations, Options options,
+                                           typename Sync::Compression codec, typename Sync::Topology topology) {
+  std::vector<std::vector<Model>> outputs(static_cast<std::size_t>(iterations),
+                                          std::vector<Model>(static_cast<std::size_t>(n), Model(specs)));
+  const auto errors = test::run_ranks(n, [&](InProcess& t) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    Model model(specs);
+    Sync sync(std::move(t), options, {}, codec, topology);
+    for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+    for (int iteration = 0; iteration < iterations; ++iteration) {
+      model.fill(static_cast<int>(r), iteration);
+      for (GradId id : shuffled_order(specs.size(), sync.rank(), iteration)) sync.ready(id);
+      sync.wait();
+      outputs[static_cast<std::size_t>(iteration)][r] = model;
+    }
+  });
+  for (const auto& e : errors)
+    if (e) FAIL(std::string(e->what()));
+  return outputs;
+}
+
+bool same_bits(const Model& a, const Model& b) { return a.f32 == b.f32 && a.half == b.half && a.f64 == b.f64; }
+
 using PerTensorSync = Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, InProcess>;
 using FixedSizeSync = Synchronizer<bucketing::FixedSize, compression::None, topology::Ring, InProcess>;
 
@@ -245,6 +270,35 @@ TEST_SUITE("synchronizer") {
     using Sync = Synchronizer<bucketing::FixedSize, compression::None, topology::ParameterServer, InProcess>;
     const bucketing::FixedSize small{.cap_bytes = 256, .first_cap_bytes = 64};
     for (int n : {1, 2, 3, 5}) train<Sync>(n, mixed, 3, 0, {}, small);
+  }
+
+  TEST_CASE_TEMPLATE("the task graph gives every rank the serial executor's bits, for every topology and codec", C,
+                     compression::None, compression::Fp16, compression::Bf16, compression::TwoBit, compression::OneBit,
+                     compression::TernGrad<2>, compression::TopK, compression::RandomK,
+                     compression::ErrorFeedback<compression::TwoBit>, compression::ErrorFeedback<compression::RandomK>) {
+    // One bucket per gradient: 1 to 1000 values against 7 partitions gives parts that do not divide
+    // evenly and buckets smaller than the partition count; small chunks give many pieces.
+    const std::vector<Spec> specs{{"w", 1000, DType::f32}, {"one", 1, DType::f32}, {"five", 5, DType::f32},
+                                  {"h.f64", 97, DType::f64}, {"b.bf16", 13, DType::bf16}};
+    const auto compare = [&]<class T>(int n, T topology) {
+      using Sync = Synchronizer<bucketing::PerTensor, C, T, InProcess>;
+      CAPTURE(topology.describe());
+      const auto serial = results_of<Sync>(n, specs, 3, {.executor = Executor::serial}, {}, topology);
+      const auto graph = results_of<Sync>(n, specs, 3, {.executor = Executor::task_graph, .compute_threads = 3}, {}, topology);
+      for (std::size_t it = 0; it < serial.size(); ++it)
+        for (std::size_t r = 0; r < serial[it].size(); ++r) {
+          CAPTURE(it);
+          CAPTURE(r);
+          CHECK(same_bits(graph[it][r], serial[it][r]));
+          CHECK(same_bits(graph[it][r], graph[it][0]));
+        }
+    };
+    for (int n : {2, 3, 4, 5}) {
+      CAPTURE(n);
+      compare(n, topology::Ring{.chunk_elements = 37});
+      compare(n, topology::ParameterServer{.partitions = 7, .chunk_elements = 23});
+      compare(n, topology::ParameterServer{.partitions = 3, .servers = 2});
+    }
   }
 
   TEST_CASE("the default 25 MiB caps put a small model in one bucket") {
@@ -393,6 +447,7 @@ TEST_SUITE("synchronizer") {
       CHECK(q.compression_ratio() > 14.0);
       CHECK(q.after_last_ready > std::chrono::nanoseconds{0});
       CHECK(q.compute > std::chrono::nanoseconds{0});
+      CHECK(q.in_flight > std::chrono::nanoseconds{0});  // the task graph, the default executor
     }
   }
 
@@ -456,23 +511,26 @@ TEST_SUITE("synchronizer") {
   }
 
   TEST_CASE("a rank that goes away mid-iteration makes the others fail fast, naming it") {
-    const auto errors = test::run_ranks(3, [&](InProcess& t) {
-      std::vector<float> a(8), b(8);
-      PerTensorSync sync(std::move(t), {.timeout = 60s});
-      sync.add("a", view(a));
-      sync.add("b", view(b));
-      sync.ready(1);
-      if (sync.rank() == 2) return;  // leaves before finishing its backward pass
-      sync.ready(0);
-      sync.wait();
-    });
-    CHECK_FALSE(errors[2]);
-    for (int r : {0, 1}) {
-      REQUIRE(errors[static_cast<std::size_t>(r)]);
-      // A timeout here would mean the 60 s wait ran out instead of failing fast.
-      CHECK(errors[static_cast<std::size_t>(r)]->kind() == ErrorKind::peer_failed);
-      CHECK(errors[static_cast<std::size_t>(r)]->context().peer == 2);
-      CHECK(std::string(errors[static_cast<std::size_t>(r)]->what()).find("destroyed during iteration 0") != std::string::npos);
+    for (Executor executor : {Executor::task_graph, Executor::serial}) {
+      CAPTURE(static_cast<int>(executor));
+      const auto errors = test::run_ranks(3, [&](InProcess& t) {
+        std::vector<float> a(8), b(8);
+        PerTensorSync sync(std::move(t), {.timeout = 60s, .executor = executor});
+        sync.add("a", view(a));
+        sync.add("b", view(b));
+        sync.ready(1);
+        if (sync.rank() == 2) return;  // leaves before finishing its backward pass
+        sync.ready(0);
+        sync.wait();
+      });
+      CHECK_FALSE(errors[2]);
+      for (int r : {0, 1}) {
+        REQUIRE(errors[static_cast<std::size_t>(r)]);
+        // A timeout here would mean the 60 s wait ran out instead of failing fast.
+        CHECK(errors[static_cast<std::size_t>(r)]->kind() == ErrorKind::peer_failed);
+        CHECK(errors[static_cast<std::size_t>(r)]->context().peer == 2);
+        CHECK(std::string(errors[static_cast<std::size_t>(r)]->what()).find("destroyed during iteration 0") != std::string::npos);
+      }
     }
   }
 

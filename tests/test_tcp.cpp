@@ -147,28 +147,31 @@ TEST_SUITE("tcp") {
   }
 
   TEST_CASE("a peer killed mid-allreduce makes the others fail fast, naming it") {
-    const std::uint16_t port = test::free_port();
-    const auto results = test::run_processes(3, [&](int rank) -> std::string {
-      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(Tcp(options(rank, 3, port)),
-                                                                                      {.timeout = 60s});
-      std::vector<float> a(100000, 1.0f), b(1000, 2.0f);
-      sync.add("a", view(a));
-      sync.add("b", view(b));
-      for (int iteration = 0; iteration < 2; ++iteration) {
-        sync.ready(1);
-        if (rank == 2 && iteration == 1) ::raise(SIGKILL);  // dies between its two gradients
-        sync.ready(0);
-        sync.wait();
+    for (Executor executor : {Executor::task_graph, Executor::serial}) {
+      CAPTURE(static_cast<int>(executor));
+      const std::uint16_t port = test::free_port();
+      const auto results = test::run_processes(3, [&](int rank) -> std::string {
+        Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(
+            Tcp(options(rank, 3, port)), {.timeout = 60s, .executor = executor});
+        std::vector<float> a(100000, 1.0f), b(1000, 2.0f);
+        sync.add("a", view(a));
+        sync.add("b", view(b));
+        for (int iteration = 0; iteration < 2; ++iteration) {
+          sync.ready(1);
+          if (rank == 2 && iteration == 1) ::raise(SIGKILL);  // dies between its two gradients
+          sync.ready(0);
+          sync.wait();
+        }
+        return "ok";
+      });
+      CHECK(results[2].signalled());
+      for (int r : {0, 1}) {
+        CAPTURE(results[static_cast<std::size_t>(r)].report);
+        CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+        // peer_failed, not timeout: the 60 s timeout did not have to run out.
+        CHECK(contains(results[static_cast<std::size_t>(r)].report, "error peer failed"));
+        CHECK(contains(results[static_cast<std::size_t>(r)].report, "rank 2"));
       }
-      return "ok";
-    });
-    CHECK(results[2].signalled());
-    for (int r : {0, 1}) {
-      CAPTURE(results[static_cast<std::size_t>(r)].report);
-      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
-      // peer_failed, not timeout: the 60 s timeout did not have to run out.
-      CHECK(contains(results[static_cast<std::size_t>(r)].report, "error peer failed"));
-      CHECK(contains(results[static_cast<std::size_t>(r)].report, "rank 2"));
     }
   }
 

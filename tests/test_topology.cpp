@@ -10,6 +10,7 @@
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
+#include "gradsync/engine/dependencies.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/compression/error_feedback.hpp"
 #include "gradsync/compression/two_bit.hpp"
@@ -118,11 +119,69 @@ std::vector<std::vector<float>> run_ps(const C& codec, const topology::Parameter
   return outputs;
 }
 
+// dependencies_of against brute force: edges point forward, counts match the edges, and every
+// pair of steps whose list order matters (an `after`, or the same memory touched with one of them
+// writing) is ordered by a path through the graph.
+template <class Topology>
+void check_dependencies(const Topology& topology, int n) {
+  CAPTURE(n);
+  CAPTURE(topology.describe());
+  const auto writes_over = [](const Step& a, const Step& b) {
+    const auto x = engine::access_of(a), y = engine::access_of(b);
+    const bool ranges_meet = a.range.begin < b.range.end && b.range.begin < a.range.end;
+    const bool values = ranges_meet && (x.reads_values || x.writes_values) && (y.reads_values || y.writes_values) &&
+                        (x.writes_values || y.writes_values);
+    const bool slot = a.slot != no_slot && a.slot == b.slot && (x.writes_slot || y.writes_slot);
+    return values || slot;
+  };
+  for (std::size_t elements : {1u, 5u, 17u, 300u})
+    for (bool identity : {true, false})
+      for (int rank = 0; rank < n; ++rank) {
+        CAPTURE(elements);
+        CAPTURE(identity);
+        CAPTURE(rank);
+        const Schedule schedule = topology.schedule(Group::world(rank, n), elements, {.identity = identity});
+        const auto graph = engine::dependencies_of(schedule);
+        const std::size_t m = schedule.steps.size();
+        std::vector<std::vector<bool>> reaches(m, std::vector<bool>(m));
+        std::vector<std::uint32_t> incoming(m);
+        for (std::size_t i = m; i-- > 0;)
+          for (std::uint32_t e = graph.first[i]; e < graph.first[i + 1]; ++e) {
+            const std::uint32_t next = graph.successors[e];
+            REQUIRE(next > i);
+            ++incoming[next];
+            reaches[i][next] = true;
+            for (std::size_t k = 0; k < m; ++k)
+              if (reaches[next][k]) reaches[i][k] = true;
+          }
+        CHECK(incoming == graph.count);
+        std::size_t roots = 0;
+        for (std::size_t j = 0; j < m; ++j) {
+          roots += graph.count[j] == 0;
+          for (std::size_t i = 0; i < j; ++i)
+            if (schedule.steps[j].after == i || writes_over(schedule.steps[i], schedule.steps[j])) {
+              CAPTURE(i);
+              CAPTURE(j);
+              REQUIRE(reaches[i][j]);
+            }
+        }
+        if (n > 1 && elements >= 17) CHECK(roots > 1);  // not a chain: independent steps exist
+      }
+}
+
 }  // namespace
 
 TEST_SUITE("topology") {
   TEST_CASE("every ring send meets exactly one receive of the same size") {
     for (int n : {1, 2, 3, 5, 8}) check_pairing(topology::Ring{.chunk_elements = 3}, n);
+  }
+
+  TEST_CASE("the task graph orders every pair of steps that list order relies on") {
+    for (int n : {1, 2, 3, 5}) {
+      check_dependencies(topology::Ring{.chunk_elements = 7}, n);
+      check_dependencies(topology::ParameterServer{.partitions = 7, .chunk_elements = 5}, n);
+      check_dependencies(topology::ParameterServer{.partitions = 2, .servers = 1}, n);
+    }
   }
 
   TEST_CASE("ring allreduce with None matches the reference bit for bit") {

@@ -23,8 +23,6 @@ struct Dependencies {
   std::vector<std::uint32_t> successors;  // steps waiting for it, each listed once
 };
 
-namespace detail {
-
 // How a step uses the bucket's values and its slot.
 struct StepAccess {
   bool reads_values = false;
@@ -45,8 +43,6 @@ constexpr StepAccess access_of(const Step& step) noexcept {
   }
   return {};
 }
-
-}  // namespace detail
 
 inline Dependencies dependencies_of(const Schedule& schedule) {
   const auto& steps = schedule.steps;
@@ -74,7 +70,7 @@ inline Dependencies dependencies_of(const Schedule& schedule) {
   std::vector<std::vector<std::uint32_t>> waits_for(n);
   for (std::uint32_t i = 0; i < n; ++i) {
     const Step& step = steps[i];
-    const detail::StepAccess access = detail::access_of(step);
+    const StepAccess access = access_of(step);
     auto& mine = waits_for[i];
     if (step.after != no_step) mine.push_back(step.after);
     const auto wait_on = [&](const Region& region, bool writes) {
