@@ -4,8 +4,14 @@
 // communication left exposed after backward, and the number of buckets.
 //
 //   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
+//          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server] [--partitions P]
+//          [--chunk-mib M]
+//          [--executor task-graph|serial] [--compute-threads N]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
 //          [--drift-at N] [--drift-factor F] [--spin] [--json PATH]
+//
+// With --time-scale 0 every gradient is ready at once and the iteration time is the time one
+// synchronization of the whole model takes (size, time, algbw and busbw are printed for it).
 //
 // Ranks come from the launcher's variables (netcluster run, gradsync-run, torchrun...), one
 // policy per run. --size-scale multiplies every tensor's element count and --time-scale every
@@ -34,6 +40,7 @@
 #include <fmt/format.h>
 #include <fmt/os.h>
 
+#include "codec_by_name.hpp"
 #include "connect.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
@@ -58,11 +65,19 @@ struct Config {
   double drift_factor = 2;
   bool spin = false;
   std::string json;
+  std::string codec = "none";
+  gradsync_examples::CodecSettings codec_settings;
+  std::string topology = "ring";
+  std::size_t partitions = 0;
+  double chunk_mib = 1;  // the topology's pieces
+  std::string executor = "task-graph";
+  int compute_threads = 1;
 };
 
 struct Sample {
   double iteration_ms = 0, exposed_ms = 0;
   std::size_t buckets = 0;
+  gs::IterationStats stats;
 };
 
 double median(std::vector<double> v) {
@@ -70,10 +85,14 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
-template <class Bucketing>
-int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, const Bucketing& policy) {
-  gs::Synchronizer<Bucketing, gs::compression::None, gs::topology::Ring, gs::transport::Tcp> sync(
-      gradsync_examples::connect_or_alone(), {.timeout = std::chrono::minutes(5)}, policy);
+template <class Bucketing, class Codec, class Topology>
+int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, gs::transport::Tcp transport,
+        const Bucketing& policy, const Codec& codec, const Topology& topology) {
+  const gs::Options options{.timeout = std::chrono::minutes(5),
+                            .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
+                            .compute_threads = cfg.compute_threads};
+  gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
+                                                                        policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
   std::vector<std::vector<float>> grads;
   std::size_t bytes = 0;
@@ -107,7 +126,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     }
     sync.wait();
     const auto end = Clock::now();
-    if (it == 0) {  // every rank gave rank + 1 everywhere: the average is (ranks + 1) / 2
+    if (it == 0 && Codec::lossless) {  // every rank gave rank + 1 everywhere: the average is (ranks + 1) / 2
       const float expected = static_cast<float>(ranks + 1) / 2;
       for (const auto& g : grads)
         for (float v : g)
@@ -121,30 +140,45 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     if (it >= cfg.warmup)
       samples.push_back({std::chrono::duration<double, std::milli>(end - start).count(),
                          std::chrono::duration<double, std::milli>(sync.last_iteration().exposed).count(),
-                         sync.last_iteration().buckets});
+                         sync.last_iteration().buckets, sync.last_iteration()});
   }
   if (rank != 0) return 0;
-  std::vector<double> times, exposed;
+  std::vector<double> times, exposed, compute, in_flight, waiting;
+  const auto ms = [](std::chrono::nanoseconds t) { return std::chrono::duration<double, std::milli>(t).count(); };
   for (const auto& s : samples) {
     times.push_back(s.iteration_ms);
     exposed.push_back(s.exposed_ms);
+    compute.push_back(ms(s.stats.compute));
+    in_flight.push_back(ms(s.stats.in_flight));
+    waiting.push_back(ms(s.stats.waiting));
   }
+  const gs::IterationStats& last = samples.back().stats;
   const std::string policy_name =
       cfg.bucketing == "fixed-size" ? fmt::format("fixed-size {:g} MiB", cfg.cap_mib) : cfg.bucketing;
   fmt::print("# replay {}: {} tensors, {:.1f} MB of f32 gradients, {} ranks, size x{:g}, time x{:g}, jitter {:g}{}\n",
              cfg.trace, trace.size(), static_cast<double>(bytes) / 1e6, ranks, cfg.size_scale, cfg.time_scale,
              cfg.jitter, cfg.drift_at >= 0 ? fmt::format(", drift x{:g} from iteration {}", cfg.drift_factor, cfg.drift_at) : "");
-  fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6}\n", "policy", "buckets", "iteration (ms)", "exposed (ms)", "plans");
-  fmt::print("  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6}\n", policy_name, samples.back().buckets, median(times),
-             median(exposed), plans);
+  fmt::print("# codec {}, topology {}, executor {} ({} compute threads)\n", codec.describe(), topology.describe(),
+             cfg.executor, cfg.compute_threads);
+  fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10}\n", "policy", "buckets",
+             "iteration (ms)", "exposed (ms)", "plans", "wire (MB)", "algbw", "busbw", "compute", "in flight", "waiting");
+  // algbw and busbw as nccl-tests defines them, for the whole model per iteration: meaningful when
+  // --time-scale 0 makes the iteration one synchronization.
+  const double algbw = static_cast<double>(bytes) / (median(times) * 1e6);
+  fmt::print("  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>10.1f} {:>10.1f} {:>10.1f}\n",
+             policy_name, samples.back().buckets, median(times), median(exposed), plans,
+             static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (ranks - 1) / std::max(1, ranks),
+             median(compute), median(in_flight), median(waiting));
   fmt::print("# plan changed after iterations: {}\n", fmt::join(plan_changes, ", "));
   if (!cfg.json.empty()) {
     auto out = fmt::output_file(cfg.json);
     out.print(R"({{"trace": "{}", "policy": "{}", "ranks": {}, "bytes": {}, "size_scale": {}, "time_scale": {}, )"
               R"("jitter": {}, "drift_at": {}, "drift_factor": {}, "buckets": {}, "iteration_ms": {:.3f}, )"
-              R"("exposed_ms": {:.3f}, "plan_changes": [{}], "samples": [)",
+              R"("exposed_ms": {:.3f}, "codec": "{}", "topology": "{}", "executor": "{}", "compute_threads": {}, )"
+              R"("wire_bytes": {}, "plan_changes": [{}], "samples": [)",
               cfg.trace, policy_name, ranks, bytes, cfg.size_scale, cfg.time_scale, cfg.jitter, cfg.drift_at,
-              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), fmt::join(plan_changes, ", "));
+              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), cfg.codec, cfg.topology,
+              cfg.executor, cfg.compute_threads, last.bytes_sent, fmt::join(plan_changes, ", "));
     for (std::size_t i = 0; i < samples.size(); ++i)
       out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "buckets": {}}})", i ? ", " : "",
                 samples[i].iteration_ms, samples[i].exposed_ms, samples[i].buckets);
@@ -174,9 +208,19 @@ Config parse(int argc, char** argv) {
     else if (arg == "--drift-factor") cfg.drift_factor = std::stod(value());
     else if (arg == "--spin") cfg.spin = true;
     else if (arg == "--json") cfg.json = value();
+    else if (arg == "--codec") cfg.codec = value();
+    else if (arg == "--threshold") cfg.codec_settings.threshold = std::stof(value());
+    else if (arg == "--keep") cfg.codec_settings.keep = std::stod(value());
+    else if (arg == "--topology") cfg.topology = value();
+    else if (arg == "--partitions") cfg.partitions = std::stoul(value());
+    else if (arg == "--chunk-mib") cfg.chunk_mib = std::stod(value());
+    else if (arg == "--executor") cfg.executor = value();
+    else if (arg == "--compute-threads") cfg.compute_threads = std::stoi(value());
     else
       throw std::invalid_argument("unknown option " + arg +
                                   "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C --min-bucket-kib K "
+                                  "--codec NAME --threshold T --keep F --topology ring|parameter-server --partitions P --chunk-mib M "
+                                  "--executor task-graph|serial --compute-threads N "
                                   "--iters I --warmup W --size-scale S --time-scale T --jitter X --drift-at N "
                                   "--drift-factor F --spin --json PATH");
   }
@@ -184,27 +228,49 @@ Config parse(int argc, char** argv) {
   if (cfg.iters < 1 || cfg.warmup < 1 || cfg.size_scale <= 0 || cfg.time_scale < 0 || cfg.jitter < 0 ||
       cfg.jitter >= 1 || cfg.cap_mib <= 0)
     throw std::invalid_argument("need iters, warmup >= 1, size-scale > 0, time-scale >= 0, 0 <= jitter < 1, cap-mib > 0");
+  if (cfg.topology != "ring" && cfg.topology != "parameter-server")
+    throw std::invalid_argument("--topology must be ring or parameter-server");
+  if (cfg.executor != "task-graph" && cfg.executor != "serial")
+    throw std::invalid_argument("--executor must be task-graph or serial");
+  if (cfg.compute_threads < 1) throw std::invalid_argument("--compute-threads must be at least 1");
+  if (cfg.chunk_mib <= 0) throw std::invalid_argument("--chunk-mib must be positive");
   return cfg;
+}
+
+// Calls f(bucketing policy) for the policy the options name.
+template <class F>
+int with_bucketing(const Config& cfg, F&& f) {
+  if (cfg.bucketing == "per-tensor") return f(gs::bucketing::PerTensor{});
+  if (cfg.bucketing == "fixed-size") {
+    const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
+    return f(gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)});
+  }
+  if (cfg.bucketing == "time-clustered") {
+    gs::bucketing::TimeClustered policy;
+    if (cfg.min_bucket_kib > 0) policy.min_bucket_bytes = static_cast<std::size_t>(cfg.min_bucket_kib * 1024);
+    return f(policy);
+  }
+  throw std::invalid_argument("--bucketing must be per-tensor, fixed-size or time-clustered");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const Config cfg = parse(argc, argv);
+  Config cfg = parse(argc, argv);
   std::ifstream file(cfg.trace);
   if (!file) throw std::runtime_error("cannot open " + cfg.trace);
   const auto trace = gradsync_bench::read_trace(file, cfg.trace);
-  if (cfg.bucketing == "per-tensor") return run(cfg, trace, gs::bucketing::PerTensor{});
-  if (cfg.bucketing == "fixed-size") {
-    const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
-    return run(cfg, trace, gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)});
-  }
-  if (cfg.bucketing == "time-clustered") {
-    gs::bucketing::TimeClustered policy;
-    if (cfg.min_bucket_kib > 0) policy.min_bucket_bytes = static_cast<std::size_t>(cfg.min_bucket_kib * 1024);
-    return run(cfg, trace, policy);
-  }
-  throw std::invalid_argument("--bucketing must be per-tensor, fixed-size or time-clustered");
+  gs::transport::Tcp transport = gradsync_examples::connect_or_alone();
+  cfg.codec_settings.rank = transport.rank();
+  const auto chunk = std::max<std::size_t>(1, static_cast<std::size_t>(cfg.chunk_mib * (1 << 20) / sizeof(float)));
+  return with_bucketing(cfg, [&](const auto& policy) {
+    return gradsync_examples::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
+      if (cfg.topology == "parameter-server")
+        return run(cfg, trace, std::move(transport), policy, codec,
+                   gs::topology::ParameterServer{.partitions = cfg.partitions, .chunk_elements = chunk});
+      return run(cfg, trace, std::move(transport), policy, codec, gs::topology::Ring{.chunk_elements = chunk});
+    });
+  });
 } catch (const std::exception& e) {
   std::fprintf(stderr, "replay: %s\n", e.what());
   return 2;
