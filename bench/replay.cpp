@@ -6,7 +6,7 @@
 //   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
 //          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server] [--partitions P]
 //          [--chunk-mib M]
-//          [--executor task-graph|serial] [--compute-threads N]
+//          [--executor task-graph|serial] [--compute-threads N] [--selective]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
 //          [--drift-at N] [--drift-factor F] [--spin] [--json PATH]
 //
@@ -72,6 +72,7 @@ struct Config {
   double chunk_mib = 1;  // the topology's pieces
   std::string executor = "task-graph";
   int compute_threads = 1;
+  bool selective = false;
 };
 
 struct Sample {
@@ -90,7 +91,8 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
         const Bucketing& policy, const Codec& codec, const Topology& topology) {
   const gs::Options options{.timeout = std::chrono::minutes(5),
                             .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
-                            .compute_threads = cfg.compute_threads};
+                            .compute_threads = cfg.compute_threads,
+                            .selective_compression = cfg.selective};
   gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
                                                                         policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
@@ -158,8 +160,8 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   fmt::print("# replay {}: {} tensors, {:.1f} MB of f32 gradients, {} ranks, size x{:g}, time x{:g}, jitter {:g}{}\n",
              cfg.trace, trace.size(), static_cast<double>(bytes) / 1e6, ranks, cfg.size_scale, cfg.time_scale,
              cfg.jitter, cfg.drift_at >= 0 ? fmt::format(", drift x{:g} from iteration {}", cfg.drift_factor, cfg.drift_at) : "");
-  fmt::print("# codec {}, topology {}, executor {} ({} compute threads)\n", codec.describe(), topology.describe(),
-             cfg.executor, cfg.compute_threads);
+  fmt::print("# codec {}{}, topology {}, executor {} ({} compute threads)\n", codec.describe(),
+             cfg.selective ? " (selective)" : "", topology.describe(), cfg.executor, cfg.compute_threads);
   fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10}\n", "policy", "buckets",
              "iteration (ms)", "exposed (ms)", "plans", "wire (MB)", "algbw", "busbw", "compute", "in flight", "waiting");
   // algbw and busbw as nccl-tests defines them, for the whole model per iteration: meaningful when
@@ -174,10 +176,10 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     auto out = fmt::output_file(cfg.json);
     out.print(R"({{"trace": "{}", "policy": "{}", "ranks": {}, "bytes": {}, "size_scale": {}, "time_scale": {}, )"
               R"("jitter": {}, "drift_at": {}, "drift_factor": {}, "buckets": {}, "iteration_ms": {:.3f}, )"
-              R"("exposed_ms": {:.3f}, "codec": "{}", "topology": "{}", "executor": "{}", "compute_threads": {}, )"
+              R"("exposed_ms": {:.3f}, "codec": "{}", "selective": {}, "topology": "{}", "executor": "{}", "compute_threads": {}, )"
               R"("wire_bytes": {}, "plan_changes": [{}], "samples": [)",
               cfg.trace, policy_name, ranks, bytes, cfg.size_scale, cfg.time_scale, cfg.jitter, cfg.drift_at,
-              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), cfg.codec, cfg.topology,
+              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), cfg.codec, cfg.selective, cfg.topology,
               cfg.executor, cfg.compute_threads, last.bytes_sent, fmt::join(plan_changes, ", "));
     for (std::size_t i = 0; i < samples.size(); ++i)
       out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "buckets": {}}})", i ? ", " : "",
@@ -216,11 +218,12 @@ Config parse(int argc, char** argv) {
     else if (arg == "--chunk-mib") cfg.chunk_mib = std::stod(value());
     else if (arg == "--executor") cfg.executor = value();
     else if (arg == "--compute-threads") cfg.compute_threads = std::stoi(value());
+    else if (arg == "--selective") cfg.selective = true;
     else
       throw std::invalid_argument("unknown option " + arg +
                                   "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C --min-bucket-kib K "
                                   "--codec NAME --threshold T --keep F --topology ring|parameter-server --partitions P --chunk-mib M "
-                                  "--executor task-graph|serial --compute-threads N "
+                                  "--executor task-graph|serial --compute-threads N --selective "
                                   "--iters I --warmup W --size-scale S --time-scale T --jitter X --drift-at N "
                                   "--drift-factor F --spin --json PATH");
   }

@@ -301,6 +301,23 @@ TEST_SUITE("synchronizer") {
     }
   }
 
+  TEST_CASE("selective compression: the ranks calibrate, agree, and end with the same bits") {
+    // Which buckets get compressed depends on timings, but never differs between ranks.
+    const std::vector<Spec> specs{{"big", 300000, DType::f32}, {"small", 10, DType::f32}, {"h.f64", 5000, DType::f64}};
+    using C = compression::ErrorFeedback<compression::TwoBit>;
+    for (Executor executor : {Executor::task_graph, Executor::serial})
+      for (int n : {2, 3}) {
+        CAPTURE(n);
+        const auto ring = results_of<Synchronizer<bucketing::PerTensor, C, topology::Ring, InProcess>>(
+            n, specs, 2, {.executor = executor, .selective_compression = true}, {}, {});
+        const auto ps = results_of<Synchronizer<bucketing::PerTensor, C, topology::ParameterServer, InProcess>>(
+            n, specs, 2, {.executor = executor, .selective_compression = true}, {}, {});
+        for (const auto* results : {&ring, &ps})
+          for (const auto& iteration : *results)
+            for (const Model& m : iteration) CHECK(same_bits(m, iteration[0]));
+      }
+  }
+
   TEST_CASE("the default 25 MiB caps put a small model in one bucket") {
     auto world = InProcess::create_world(1);
     Model model(mixed);

@@ -10,6 +10,7 @@
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
+#include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/dependencies.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/compression/error_feedback.hpp"
@@ -181,6 +182,85 @@ TEST_SUITE("topology") {
       check_dependencies(topology::Ring{.chunk_elements = 7}, n);
       check_dependencies(topology::ParameterServer{.partitions = 7, .chunk_elements = 5}, n);
       check_dependencies(topology::ParameterServer{.partitions = 2, .servers = 1}, n);
+    }
+  }
+
+  TEST_CASE("a bucket left uncompressed by selective compression is exact, whatever the codec") {
+    using C = compression::ErrorFeedback<compression::TwoBit>;
+    const C codec;
+    for (int n : {2, 3, 5}) {
+      CAPTURE(n);
+      std::vector<std::vector<float>> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(301, 77u * static_cast<unsigned>(r)));
+      const topology::Ring ring{.chunk_elements = 16};
+      const topology::ParameterServer ps{.partitions = 4, .chunk_elements = 9};
+      std::vector<std::vector<float>> ring_out(static_cast<std::size_t>(n)), ps_out(static_cast<std::size_t>(n));
+      const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+        const Group group = Group::world(t.rank(), n);
+        const auto r = static_cast<std::size_t>(t.rank());
+        engine::BucketExchange<C, transport::InProcess> on_ring(ring.schedule(group, 301, {.identity = true}), codec,
+                                                                 DType::f32, true);
+        engine::BucketExchange<C, transport::InProcess> on_ps(ps.schedule(group, 301, {.identity = true}), codec,
+                                                               DType::f32, true);
+        ring_out[r] = inputs[r];
+        on_ring.run(std::span<float>(ring_out[r]), codec, t, {group, 0, 0, 10s});
+        ps_out[r] = inputs[r];
+        on_ps.run(std::span<float>(ps_out[r]), codec, t, {group, 0, 1, 10s});
+      });
+      for (const auto& e : errors) REQUIRE_FALSE(e);
+      const auto ring_reference = test::ring_reference(compression::None{}, inputs);
+      const auto ps_expected = ps_reference(compression::None{}, ps, inputs);
+      for (int r = 0; r < n; ++r) {
+        CHECK(ring_out[static_cast<std::size_t>(r)] == ring_reference);
+        CHECK(ps_out[static_cast<std::size_t>(r)] == ps_expected);
+      }
+    }
+  }
+
+  TEST_CASE("selective compression's cost model") {
+    SUBCASE("the fit recovers a line, and clamps what cannot be negative") {
+      const std::vector<std::pair<double, double>> line{{1000, 2e-5}, {2000, 3e-5}, {4000, 5e-5}};
+      const engine::Linear l = engine::fit(line);
+      CHECK(l.fixed == doctest::Approx(1e-5));
+      CHECK(l.per_byte == doctest::Approx(1e-8));
+      const std::vector<std::pair<double, double>> falling{{1000, 3e-5}, {2000, 1e-5}};
+      CHECK(engine::fit(falling).per_byte == 0);
+      const std::vector<std::pair<double, double>> one{{1000, 4e-5}};
+      CHECK(engine::fit(one).fixed == doctest::Approx(4e-5));
+    }
+    // A 1 Gbit/s link with 50 us per message; encode at 3 GB/s and decode at 15 GB/s with 5 us
+    // each; a 16x codec with an 8-byte header, on a 4-rank ring.
+    const engine::CostModel model{.encode = {5e-6, 1 / 3e9}, .decode = {5e-6, 1 / 15e9}, .transfer = {50e-6, 1 / 125e6}};
+    const auto two_bit_bytes = [](std::size_t e) { return 12 + 4 * ((e + 15) / 16); };
+    const Group four = Group::world(0, 4);
+    const topology::Ring ring;
+    SUBCASE("a large bucket is compressed and pipelined") {
+      const auto d = engine::decide(model, ring.shape(four, 25u << 18), 4, two_bit_bytes);  // 25 MiB of f32
+      CHECK(d.compress);
+      CHECK(d.pieces > 1);
+      CHECK(d.predicted < d.uncompressed / 4);
+    }
+    SUBCASE("a tiny bucket goes as it is: fixed costs dominate") {
+      const auto d = engine::decide(model, ring.shape(four, 64), 4, two_bit_bytes);
+      CHECK_FALSE(d.compress);
+      CHECK(d.pieces == 1);
+    }
+    SUBCASE("on a fast enough link compression does not pay") {
+      engine::CostModel fast = model;
+      fast.transfer = {2e-6, 1 / 50e9};
+      CHECK_FALSE(engine::decide(fast, ring.shape(four, 25u << 18), 4, two_bit_bytes).compress);
+    }
+    SUBCASE("alone, there is nothing to send and nothing to decide") {
+      const auto d = engine::decide(model, ring.shape(Group::world(0, 1), 1000), 4, two_bit_bytes);
+      CHECK_FALSE(d.compress);
+      CHECK(d.predicted == 0);
+    }
+    SUBCASE("a parameter server's fan-in counts on the root's link") {
+      const topology::ParameterServer ps;
+      const PipelineShape shape = ps.shape(four, 1000);
+      CHECK(shape.hops == 2);
+      CHECK(shape.fan_in == 3);
+      CHECK(shape.segment_elements == 250);
     }
   }
 

@@ -26,6 +26,13 @@ struct Options {
   Executor executor = Executor::task_graph;
   // Threads serving the task graph's compute queue. Results do not depend on it.
   int compute_threads = 1;
+  // Selective compression (engine/cost_model.hpp): at the first synchronization the ranks time
+  // encode, decode and a transfer to their ring neighbour (a few hundred ms), agree on the
+  // slowest rank's costs, and from then on every bucket is sent compressed only where that is
+  // predicted to be faster, cut into the predicted best number of pieces. Rank 0 prints each
+  // plan's decisions to stderr. Needs a topology with shape() and chunk_elements (Ring and
+  // ParameterServer have them); with an identity codec it changes nothing.
+  bool selective_compression = false;
 };
 
 // What the last completed iteration cost this rank.

@@ -46,6 +46,15 @@ struct Step {
   std::uint32_t after = no_step;  // an earlier send or recv that must have completed first
 };
 
+// How a topology's schedule moves one segment of a bucket, for the cost model of selective
+// compression (engine/cost_model.hpp): each piece crosses `hops` transfers in sequence, and at each
+// a link carries `fan_in` pieces at once.
+struct PipelineShape {
+  int hops = 0;
+  int fan_in = 1;
+  std::size_t segment_elements = 0;  // the largest segment
+};
+
 struct Schedule {
   std::vector<Step> steps;
   std::vector<std::size_t> slot_elements;  // elements whose encoding each slot must hold

@@ -18,10 +18,12 @@
 // agreed (rank 0's wins) at iteration boundaries. Buffers are sized whenever a plan is installed;
 // ready(), the exchange and wait() allocate nothing.
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -36,6 +38,7 @@
 #include "gradsync/detail/aligned_buffer.hpp"
 #include "gradsync/detail/convert.hpp"
 #include "gradsync/detail/layout_check.hpp"
+#include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/task_graph.hpp"
 #include "gradsync/options.hpp"
@@ -183,7 +186,12 @@ class Synchronizer {
   };
 
   // Control messages: each is a size, then a payload (message id + 1).
-  enum ControlMessage : std::uint32_t { layout_message = 0, verdict_message = 2, plan_message = 4 };
+  enum ControlMessage : std::uint32_t {
+    layout_message = 0,
+    verdict_message = 2,
+    plan_message = 4,
+    calibration_message = 6,  // then 8, 9, ... for the transfer probes
+  };
   static constexpr std::uint64_t max_control_bytes = std::uint64_t{64} << 20;
 
   ErrorContext here(std::string operation, std::optional<std::uint32_t> bucket = std::nullopt) const {
@@ -247,8 +255,7 @@ class Synchronizer {
       }
       bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype;
       if (!bucket.in_place) bucket.values = detail::AlignedBuffer(bucket.elements * size_of(bucket.dtype));
-      bucket.exchange = engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()),
-                                                     codec_, bucket.dtype);
+      bucket.exchange = exchange_for(b, bucket);
     }
     for (std::size_t id = 0; id < layout_.size(); ++id)
       if (!placed[id]) throw invalid(fmt::format("gradient {:?} is in no bucket", layout_[id].name));
@@ -258,16 +265,61 @@ class Synchronizer {
     pending_ = std::make_unique<std::atomic<std::uint32_t>[]>(buckets_.size());
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       pending_[b].store(static_cast<std::uint32_t>(plan_.buckets[b].size()), std::memory_order_relaxed);
-    if (engine_) {
-      std::vector<engine::BucketExchange<C, X>*> exchanges;
-      for (Bucket& bucket : buckets_) exchanges.push_back(&bucket.exchange);
-      engine_->install(exchanges);
+    hand_to_engine();
+  }
+
+  void hand_to_engine() {
+    log_decisions();
+    if (!engine_) return;
+    std::vector<engine::BucketExchange<C, X>*> exchanges;
+    for (Bucket& bucket : buckets_) exchanges.push_back(&bucket.exchange);
+    engine_->install(exchanges);
+  }
+
+  // Bucket `b`'s schedule: compressed, unless selective compression has a cost model that says
+  // sending it as it is would be faster; then also cut into the pieces the model chose.
+  engine::BucketExchange<C, X> exchange_for(std::size_t b, const Bucket& bucket) {
+    if constexpr (requires(T t) {
+                    t.shape(group_, bucket.elements);
+                    t.chunk_elements;
+                  }) {
+      if (costs_) {
+        const PipelineShape shape = topology_.shape(group_, bucket.elements);
+        const engine::Decision d = engine::decide(*costs_, shape, size_of(bucket.dtype), [&](std::size_t e) {
+          return codec_.max_encoded_bytes(e, bucket.dtype);
+        });
+        T topology = topology_;
+        topology.chunk_elements = std::max<std::size_t>(1, (shape.segment_elements + d.pieces - 1) / d.pieces);
+        decisions_ += fmt::format("\n  bucket {}: {:.2f} MB {}, {} piece{} per segment, predicted {:.2f} ms ({:.2f} ms uncompressed)",
+                                  b, static_cast<double>(bucket.elements * size_of(bucket.dtype)) / 1e6,
+                                  d.compress ? "compressed" : "uncompressed", d.pieces, d.pieces == 1 ? "" : "s",
+                                  d.predicted * 1e3, d.uncompressed * 1e3);
+        return engine::BucketExchange<C, X>(
+            topology.schedule(group_, bucket.elements, d.compress ? codec_traits<C>() : CodecTraits{.identity = true}),
+            codec_, bucket.dtype, !d.compress && !C::identity);
+      }
     }
+    return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()), codec_,
+                                        bucket.dtype);
+  }
+
+  void log_decisions() {
+    if (!decisions_.empty() && rank() == 0)
+      std::fputs(fmt::format("gradsync selective compression ({}): {}{}\n", codec_.describe(), costs_->describe(),
+                             decisions_)
+                     .c_str(),
+                 stderr);
+    decisions_.clear();
   }
 
   void communicate() {
     try {
       exchange_layouts();
+      if (options_.selective_compression && !C::identity && size() > 1) {
+        costs_ = calibrate();
+        for (std::size_t b = 0; b < buckets_.size(); ++b) buckets_[b].exchange = exchange_for(b, buckets_[b]);
+        hand_to_engine();
+      }
       for (std::uint64_t iteration = 0;; ++iteration) {
         for (std::size_t b = 0; b < buckets_.size(); ++b) {
           if (!wait_for_bucket(b)) return;
@@ -468,8 +520,9 @@ class Synchronizer {
 
   void exchange_layouts() {
     const std::string policies =
-        fmt::format("bucketing={} codec={} topology={} transport={} world={}", bucketing_.describe(),
-                    codec_.describe(), topology_.describe(), transport_.describe(), size());
+        fmt::format("bucketing={} codec={} topology={} transport={} world={} selective-compression={}",
+                    bucketing_.describe(), codec_.describe(), topology_.describe(), transport_.describe(), size(),
+                    options_.selective_compression);
     const std::string mine = detail::describe_layout(layout_, policies);
     std::string verdict;
     if (rank() == 0) {
@@ -483,6 +536,76 @@ class Synchronizer {
       verdict = recv_control(0, 0, verdict_message);
     }
     if (!verdict.empty()) throw Error(ErrorKind::mismatch, here("layout check"), verdict);
+  }
+
+  // Selective compression's calibration: times encode and decode here, and a transfer to the right
+  // neighbour of the ring (receiving from the left), at three sizes each; fits a + b * bytes; and
+  // agrees on the slowest rank's coefficients (rank 0 gathers them and sends back the maximum).
+  engine::CostModel calibrate() {
+    using Clock = std::chrono::steady_clock;
+    const auto median_of = [](auto&& once) {
+      std::array<double, 5> t{};
+      for (double& s : t) {
+        const auto started = Clock::now();
+        once();
+        s = std::chrono::duration<double>(Clock::now() - started).count();
+      }
+      std::sort(t.begin(), t.end());
+      return t[2];
+    };
+    constexpr std::array<std::size_t, 3> value_counts{std::size_t{1} << 14, std::size_t{1} << 17, std::size_t{1} << 20};
+    std::vector<float> values(value_counts.back()), out(value_counts.back());
+    for (std::size_t i = 0; i < values.size(); ++i)
+      values[i] = static_cast<float>(static_cast<int>((i * 2654435761u) % 2001u) - 1000) * 1e-3f;
+    std::vector<std::byte> encoded(codec_.max_encoded_bytes(values.size(), DType::f32));
+    std::vector<std::pair<double, double>> encode_points, decode_points, transfer_points;
+    for (std::size_t n : value_counts) {
+      auto state = codec_.make_state(n, DType::f32);
+      const std::span<const float> in(values.data(), n);
+      std::size_t used = 0;
+      const double bytes = static_cast<double>(n * sizeof(float));
+      encode_points.emplace_back(bytes, median_of([&] { used = codec_.encode(in, state, encoded); }));
+      decode_points.emplace_back(bytes, median_of([&] {
+        codec_.decode(std::span<const std::byte>(encoded.data(), used), std::span<float>(out.data(), n), DecodeMode::add);
+      }));
+    }
+    const int left = (rank() + size() - 1) % size(), right = (rank() + 1) % size();
+    std::vector<std::byte> probe_out(std::size_t{1} << 21), probe_in(probe_out.size());
+    std::uint32_t probe = 0;
+    for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 21}) {
+      transfer_points.emplace_back(static_cast<double>(bytes), median_of([&] {
+        const auto tag = engine::make_tag(0, engine::control_bucket, calibration_message + 2 + probe++);
+        const auto deadline = Clock::now() + options_.timeout;
+        transport_.recv(control_requests_[0], left, tag, std::span(probe_in.data(), bytes));
+        transport_.send(control_requests_[1], right, tag, std::span<const std::byte>(probe_out.data(), bytes));
+        transport_.wait(control_requests_[0], deadline);
+        transport_.wait(control_requests_[1], deadline);
+      }));
+    }
+    std::array<double, 6> mine{};
+    const engine::Linear fitted[3] = {engine::fit(encode_points), engine::fit(decode_points), engine::fit(transfer_points)};
+    for (int i = 0; i < 3; ++i) mine[2 * i] = fitted[i].fixed, mine[2 * i + 1] = fitted[i].per_byte;
+    const auto as_text = [](const std::array<double, 6>& c) { return std::string(reinterpret_cast<const char*>(c.data()), sizeof c); };
+    const auto from_text = [&](const std::string& text, int peer) {
+      if (text.size() != sizeof(std::array<double, 6>))
+        throw Error(ErrorKind::protocol, {.rank = rank(), .peer = peer, .operation = "calibration"},
+                    fmt::format("calibration message of {} bytes, expected {}", text.size(), sizeof(std::array<double, 6>)));
+      std::array<double, 6> c;
+      std::memcpy(c.data(), text.data(), sizeof c);
+      return c;
+    };
+    std::array<double, 6> agreed = mine;
+    if (rank() == 0) {
+      for (int peer = 1; peer < size(); ++peer) {
+        const auto theirs = from_text(recv_control(peer, 0, calibration_message), peer);
+        for (std::size_t i = 0; i < agreed.size(); ++i) agreed[i] = std::max(agreed[i], theirs[i]);
+      }
+      for (int peer = 1; peer < size(); ++peer) send_control(peer, 0, calibration_message, as_text(agreed));
+    } else {
+      send_control(0, 0, calibration_message, as_text(mine));
+      agreed = from_text(recv_control(0, 0, calibration_message), 0);
+    }
+    return {{agreed[0], agreed[1]}, {agreed[2], agreed[3]}, {agreed[4], agreed[5]}};
   }
 
   // Control traffic goes through members, not locals: if a wait fails, the transport is aborted
@@ -586,6 +709,8 @@ class Synchronizer {
   std::string control_out_;
   std::string control_in_;
   IterationStats stats_;
+  std::optional<engine::CostModel> costs_;  // selective compression's agreed costs, once calibrated
+  std::string decisions_;                   // its decisions for the plan being installed, for the log
 
   std::mutex mutex_;
   std::condition_variable work_cv_;  // wakes the communication thread

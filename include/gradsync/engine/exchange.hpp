@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -82,8 +83,11 @@ template <CompressionPolicy C, TransportPolicy X>
 class BucketExchange {
  public:
   BucketExchange() = default;
-  BucketExchange(Schedule schedule, const C& codec, DType dtype)
+  // `raw`: the schedule was built for the identity (selective compression left this bucket
+  // uncompressed), so received slots hold plain values whatever the codec.
+  BucketExchange(Schedule schedule, const C& codec, DType dtype, bool raw = false)
       : schedule_(std::move(schedule)),
+        raw_(raw),
         slot_offset_(schedule_.slot_elements.size()),
         slot_capacity_(schedule_.slot_elements.size()),
         slot_bytes_(schedule_.slot_elements.size()),
@@ -92,7 +96,8 @@ class BucketExchange {
     std::size_t total = 0;
     for (std::size_t s = 0; s < slot_offset_.size(); ++s) {
       slot_offset_[s] = total;
-      slot_capacity_[s] = codec.max_encoded_bytes(schedule_.slot_elements[s], dtype);
+      slot_capacity_[s] = raw_ ? schedule_.slot_elements[s] * size_of(dtype)
+                               : codec.max_encoded_bytes(schedule_.slot_elements[s], dtype);
       total += detail::align_up(slot_capacity_[s]);
     }
     scratch_ = detail::AlignedBuffer(total);
@@ -136,6 +141,8 @@ class BucketExchange {
   void compute(std::size_t index, std::span<T> values, const C& codec, int group_size) {
     const Step& step = schedule_.steps[index];
     const auto range = values.subspan(step.range.begin, step.range.size());
+    if (raw_ && (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy))
+      return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
     switch (step.op) {
       case Step::Op::encode:
         slot_bytes_[step.slot] = codec.encode(std::span<const T>(range), states_[index], capacity(step.slot));
@@ -203,6 +210,23 @@ class BucketExchange {
     return {scratch_.data() + slot_offset_[slot], slot_bytes_[slot]};
   }
 
+  // A raw slot's values into `range`: added, or copied.
+  template <class T>
+  static void take_raw(std::span<const std::byte> bytes, std::span<T> range, bool add) {
+    if (bytes.size() != range.size_bytes())
+      throw Error(ErrorKind::protocol, {.operation = "recv"},
+                  fmt::format("expected {} bytes of uncompressed values, got {}", range.size_bytes(), bytes.size()));
+    if (!add) {
+      if (!range.empty()) std::memcpy(range.data(), bytes.data(), bytes.size());
+      return;
+    }
+    for (std::size_t i = 0; i < range.size(); ++i) {
+      T v;
+      std::memcpy(&v, bytes.data() + i * sizeof(T), sizeof(T));
+      range[i] += v;
+    }
+  }
+
   // Waits for send or receive `index` once (serial executor only).
   template <class T>
   void complete(std::uint32_t index, X& transport, const ExchangeContext& ctx, ExchangeStats& stats) {
@@ -215,6 +239,7 @@ class BucketExchange {
   }
 
   Schedule schedule_;
+  bool raw_ = false;
   std::vector<std::size_t> slot_offset_;
   std::vector<std::size_t> slot_capacity_;
   std::vector<std::size_t> slot_bytes_;

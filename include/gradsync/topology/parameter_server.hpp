@@ -43,6 +43,13 @@ struct ParameterServer {
     return static_cast<int>(part % s);
   }
 
+  PipelineShape shape(const Group& group, std::size_t elements) const {
+    const std::size_t parts = partitions == 0 ? static_cast<std::size_t>(group.size()) : partitions;
+    return {.hops = group.size() > 1 ? 2 : 0,
+            .fan_in = std::max(1, group.size() - 1),
+            .segment_elements = Ring::segment(elements, static_cast<int>(parts), 0).size()};
+  }
+
   Schedule schedule(const Group& group, std::size_t elements, CodecTraits codec) const {
     Schedule out;
     const int n = group.size();

@@ -44,6 +44,10 @@ struct Ring {
     return {begin, begin + base + (i < extra ? 1 : 0)};
   }
 
+  PipelineShape shape(const Group& group, std::size_t elements) const {
+    return {.hops = 2 * (group.size() - 1), .fan_in = 1, .segment_elements = segment(elements, group.size(), 0).size()};
+  }
+
   Schedule schedule(const Group& group, std::size_t elements, CodecTraits codec) const {
     return Builder(*this, group, elements, codec).build();
   }
