@@ -214,6 +214,13 @@ std::vector<std::vector<Model>> results_of(int n, const std::vector<Spec>& specs
   return outputs;
 }
 
+// A ring that does not describe its pipeline, as a user's own topology might not.
+struct RingWithoutShape {
+  topology::Ring ring;
+  std::string describe() const { return "ring-without-shape"; }
+  Schedule schedule(const Group& g, std::size_t n, CodecTraits c) const { return ring.schedule(g, n, c); }
+};
+
 bool same_bits(const Model& a, const Model& b) { return a.f32 == b.f32 && a.half == b.half && a.f64 == b.f64; }
 
 using PerTensorSync = Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, InProcess>;
@@ -570,6 +577,20 @@ TEST_SUITE("synchronizer") {
     sync.wait();
     sync.ready(0);  // the next iteration may begin after wait()
     sync.wait();
+  }
+
+  TEST_CASE("options a Synchronizer cannot honour are refused at construction") {
+    auto world = InProcess::create_world(2);
+    CHECK_THROWS_WITH_AS(PerTensorSync(std::move(world[0]), {.compute_threads = 0}),
+                         doctest::Contains("compute_threads is 0"), Error);
+    using Plain = Synchronizer<bucketing::PerTensor, compression::TwoBit, RingWithoutShape, InProcess>;
+    try {
+      Plain sync(std::move(world[1]), {.selective_compression = true});
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::unsupported);
+      CHECK(e.detail().find("selective compression needs a topology with shape()") != std::string::npos);
+    }
   }
 
   TEST_CASE("try_wait polls without blocking, and an empty layout still completes") {

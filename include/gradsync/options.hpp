@@ -31,7 +31,8 @@ struct Options {
   // slowest rank's costs, and from then on every bucket is sent compressed only where that is
   // predicted to be faster, cut into the predicted best number of pieces. Rank 0 prints each
   // plan's decisions to stderr. Needs a topology with shape() and chunk_elements (Ring and
-  // ParameterServer have them); with an identity codec it changes nothing.
+  // ParameterServer have them; other topologies are refused with ErrorKind::unsupported); with
+  // an identity codec it changes nothing.
   bool selective_compression = false;
 };
 

@@ -59,7 +59,15 @@ class Synchronizer {
         bucketing_(std::move(bucketing)),
         codec_(std::move(codec)),
         topology_(std::move(topology)),
-        group_(Group::world(transport_.rank(), transport_.size())) {}
+        group_(Group::world(transport_.rank(), transport_.size())) {
+    if (options_.compute_threads < 1)
+      throw Error(ErrorKind::invalid_argument, here("options"),
+                  fmt::format("compute_threads is {}; the task graph needs at least 1", options_.compute_threads));
+    if (options_.selective_compression && !selective_topology)
+      throw Error(ErrorKind::unsupported, here("options"),
+                  fmt::format("selective compression needs a topology with shape() and chunk_elements; {} has not",
+                              topology_.describe()));
+  }
 
   Synchronizer(const Synchronizer&) = delete;
   Synchronizer& operator=(const Synchronizer&) = delete;
@@ -170,6 +178,12 @@ class Synchronizer {
   const B& bucketing() const noexcept { return bucketing_; }
 
  private:
+  // Whether the topology tells selective compression its pipeline and lets it choose the pieces.
+  static constexpr bool selective_topology = requires(T t, const Group& g, std::size_t n) {
+    { t.shape(g, n) } -> std::same_as<PipelineShape>;
+    t.chunk_elements = n;
+  };
+
   struct Slot {
     std::uint32_t bucket = 0;
     std::size_t offset = 0;  // first element in the bucket's buffer
@@ -279,10 +293,7 @@ class Synchronizer {
   // Bucket `b`'s schedule: compressed, unless selective compression has a cost model that says
   // sending it as it is would be faster; then also cut into the pieces the model chose.
   engine::BucketExchange<C, X> exchange_for(std::size_t b, const Bucket& bucket) {
-    if constexpr (requires(T t) {
-                    t.shape(group_, bucket.elements);
-                    t.chunk_elements;
-                  }) {
+    if constexpr (selective_topology) {
       if (costs_) {
         const PipelineShape shape = topology_.shape(group_, bucket.elements);
         const engine::Decision d = engine::decide(*costs_, shape, size_of(bucket.dtype), [&](std::size_t e) {
@@ -372,6 +383,7 @@ class Synchronizer {
       if (engine_failed_) {  // finish() throws the engine's error once its threads are quiet
         lock.unlock();
         engine_->finish();
+        lock.lock();
       }
       if (pending_[b].load(std::memory_order_acquire) == 0) break;
       const std::int64_t first = first_ready_.load(std::memory_order_acquire);
