@@ -292,12 +292,17 @@ TEST_SUITE("synchronizer") {
       CAPTURE(topology.describe());
       const auto serial = results_of<Sync>(n, specs, 3, {.executor = Executor::serial}, {}, topology);
       const auto graph = results_of<Sync>(n, specs, 3, {.executor = Executor::task_graph, .compute_threads = 3}, {}, topology);
+      // Coordinated with one batch per link and batches of one piece: the most grants there can be.
+      const auto coordinated = results_of<Sync>(
+          n, specs, 3, {.executor = Executor::task_graph, .coordination = {.enabled = true, .window = 1, .batch_bytes = 0}},
+          {}, topology);
       for (std::size_t it = 0; it < serial.size(); ++it)
         for (std::size_t r = 0; r < serial[it].size(); ++r) {
           CAPTURE(it);
           CAPTURE(r);
           CHECK(same_bits(graph[it][r], serial[it][r]));
           CHECK(same_bits(graph[it][r], graph[it][0]));
+          CHECK(same_bits(coordinated[it][r], serial[it][r]));
         }
     };
     for (int n : {2, 3, 4, 5}) {
@@ -535,11 +540,16 @@ TEST_SUITE("synchronizer") {
   }
 
   TEST_CASE("a rank that goes away mid-iteration makes the others fail fast, naming it") {
-    for (Executor executor : {Executor::task_graph, Executor::serial}) {
-      CAPTURE(static_cast<int>(executor));
+    const Options serial{.timeout = 60s, .executor = Executor::serial};
+    const Options graph{.timeout = 60s, .executor = Executor::task_graph};
+    Options coordinated = graph;
+    coordinated.coordination.enabled = true;
+    for (const Options& options : {graph, serial, coordinated}) {
+      CAPTURE(static_cast<int>(options.executor));
+      CAPTURE(options.coordination.enabled);
       const auto errors = test::run_ranks(3, [&](InProcess& t) {
         std::vector<float> a(8), b(8);
-        PerTensorSync sync(std::move(t), {.timeout = 60s, .executor = executor});
+        PerTensorSync sync(std::move(t), options);
         sync.add("a", view(a));
         sync.add("b", view(b));
         sync.ready(1);
@@ -591,6 +601,11 @@ TEST_SUITE("synchronizer") {
       CHECK(e.kind() == ErrorKind::unsupported);
       CHECK(e.detail().find("selective compression needs a topology with shape()") != std::string::npos);
     }
+    auto more = InProcess::create_world(2);
+    CHECK_THROWS_WITH_AS(PerTensorSync(std::move(more[0]), {.executor = Executor::serial, .coordination = {.enabled = true}}),
+                         doctest::Contains("coordinated sends need the task-graph executor"), Error);
+    CHECK_THROWS_WITH_AS(PerTensorSync(std::move(more[1]), {.coordination = {.enabled = true, .window = 0}}),
+                         doctest::Contains("coordination window is 0"), Error);
   }
 
   TEST_CASE("try_wait polls without blocking, and an empty layout still completes") {
@@ -638,27 +653,31 @@ TEST_SUITE("synchronizer") {
     const std::vector<Spec> specs{{"w1", 3000, DType::f32}, {"b1", 30, DType::f32}, {"w2", 500, DType::f16},
                                   {"b2", 7, DType::bf16},   {"h", 40, DType::f64}};
     constexpr int n = 4;
-    std::barrier sync_point(n);
-    std::size_t counted = 1;
-    const auto errors = test::run_ranks(n, [&](InProcess& t) {
-      Model model(specs);
-      model.fill(t.rank(), 0);
-      Synchronizer<bucketing::FixedSize, compression::Fp16, topology::Ring, InProcess> sync(
-          std::move(t), {}, {.cap_bytes = 4096, .first_cap_bytes = 256}, {}, {.chunk_elements = 100});
-      for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
-      const auto step = [&] {
-        for (GradId id = static_cast<GradId>(specs.size()); id-- > 0;) sync.ready(id);
-        sync.wait();
-      };
-      for (int i = 0; i < 3; ++i) step();  // warm-up: the plan is agreed after the first
-      sync_point.arrive_and_wait();
-      if (sync.rank() == 0) allocations = 0, counting = true;
-      sync_point.arrive_and_wait();
-      for (int i = 0; i < 10; ++i) step();
-      sync_point.arrive_and_wait();
-      if (sync.rank() == 0) counting = false, counted = allocations.load();
-    });
-    for (const auto& e : errors) REQUIRE_FALSE(e);
-    CHECK(counted == 0);
+    for (bool coordinated : {false, true}) {
+      CAPTURE(coordinated);
+      std::barrier sync_point(n);
+      std::size_t counted = 1;
+      const auto errors = test::run_ranks(n, [&](InProcess& t) {
+        Model model(specs);
+        model.fill(t.rank(), 0);
+        Synchronizer<bucketing::FixedSize, compression::Fp16, topology::Ring, InProcess> sync(
+            std::move(t), {.coordination = {.enabled = coordinated, .batch_bytes = 300}},
+            {.cap_bytes = 4096, .first_cap_bytes = 256}, {}, {.chunk_elements = 100});
+        for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+        const auto step = [&] {
+          for (GradId id = static_cast<GradId>(specs.size()); id-- > 0;) sync.ready(id);
+          sync.wait();
+        };
+        for (int i = 0; i < 3; ++i) step();  // warm-up: the plan is agreed after the first
+        sync_point.arrive_and_wait();
+        if (sync.rank() == 0) allocations = 0, counting = true;
+        sync_point.arrive_and_wait();
+        for (int i = 0; i < 10; ++i) step();
+        sync_point.arrive_and_wait();
+        if (sync.rank() == 0) counting = false, counted = allocations.load();
+      });
+      for (const auto& e : errors) REQUIRE_FALSE(e);
+      CHECK(counted == 0);
+    }
   }
 }

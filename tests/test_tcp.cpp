@@ -114,16 +114,21 @@ std::string receive_one(std::uint16_t port) {
 TEST_SUITE("tcp") {
   TEST_CASE("allreduce over TCP gives every process the ring-order reference, bit for bit") {
     const std::vector<std::size_t> sizes{0, 1, 13, 1009, 70001};
+    // Coordinated sends too: with one connection per peer, a grant queued behind a message its
+    // receiver does not expect yet (rank 0's plan after the first iteration) would never arrive.
+    const std::pair<int, bool> variants[] = {{1, false}, {3, false}, {1, true}, {3, true}};  // (connections, coordinated)
     for (int n : {2, 3, 4}) {
-      for (int connections : {1, 3}) {
+      for (const auto& [connections, coordinated] : variants) {
         CAPTURE(n);
         CAPTURE(connections);
+        CAPTURE(coordinated);
         const std::uint16_t port = test::free_port();
         const auto results = test::run_processes(n, [&](int rank) -> std::string {
           TcpOptions o = options(rank, n, port);
           o.connections_per_peer = connections;
           Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(
-              Tcp(o), {.timeout = 30s}, {}, {}, {.chunk_elements = 4096});
+              Tcp(o), {.timeout = 30s, .coordination = {.enabled = coordinated, .window = 1, .batch_bytes = 0}}, {}, {},
+              {.chunk_elements = 4096});
           std::vector<std::vector<float>> grads;
           for (std::size_t s : sizes) grads.emplace_back(s);
           for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
@@ -147,12 +152,15 @@ TEST_SUITE("tcp") {
   }
 
   TEST_CASE("a peer killed mid-allreduce makes the others fail fast, naming it") {
-    for (Executor executor : {Executor::task_graph, Executor::serial}) {
+    const std::pair<Executor, bool> variants[] = {{Executor::task_graph, false}, {Executor::serial, false},
+                                                  {Executor::task_graph, true}};  // (executor, coordinated)
+    for (const auto& [executor, coordinated] : variants) {
       CAPTURE(static_cast<int>(executor));
+      CAPTURE(coordinated);
       const std::uint16_t port = test::free_port();
       const auto results = test::run_processes(3, [&](int rank) -> std::string {
         Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(
-            Tcp(options(rank, 3, port)), {.timeout = 60s, .executor = executor});
+            Tcp(options(rank, 3, port)), {.timeout = 60s, .executor = executor, .coordination = {.enabled = coordinated}});
         std::vector<float> a(100000, 1.0f), b(1000, 2.0f);
         sync.add("a", view(a));
         sync.add("b", view(b));

@@ -4,12 +4,16 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <map>
+#include <random>
+#include <set>
 #include <tuple>
 
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
+#include "gradsync/engine/coordinator.hpp"
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/dependencies.hpp"
 #include "gradsync/engine/exchange.hpp"
@@ -262,6 +266,134 @@ TEST_SUITE("topology") {
       CHECK(shape.fan_in == 3);
       CHECK(shape.segment_elements == 250);
     }
+  }
+
+  TEST_CASE("the coordinator's plan grants every piece once, after its receive, within the link limits") {
+    // Random piece sets whose sends and receives are reported in random order, interleaved with
+    // random completions: every piece is granted exactly once and only once its receive is
+    // posted, a pair's grantable pieces in the order reported; a batch holds one pair's pieces and
+    // closes once it reaches batch_bytes; no link ever carries more than `window` batches; and
+    // the plan is work-conserving (a pair with a grantable piece left has a full link).
+    for (std::uint64_t seed = 0; seed < 300; ++seed) {
+      CAPTURE(seed);
+      std::mt19937_64 gen(seed);
+      const auto pick = [&](std::uint64_t bound) { return static_cast<std::uint64_t>(gen() % bound); };
+      const int n = 2 + static_cast<int>(pick(7));
+      const Coordination limits{.enabled = true, .window = 1 + static_cast<int>(pick(3)),
+                                .batch_bytes = std::vector<std::size_t>{0, 100, 1000, 1 << 20}[pick(4)]};
+      struct Piece {
+        int sender, destination;
+        std::uint32_t bytes;
+        bool ready = false, receiving = false;
+      };
+      std::map<std::uint64_t, Piece> pieces;  // by task id; the tag is the task id plus one
+      std::vector<std::pair<std::uint64_t, bool>> events;  // (task, receive side)
+      for (std::size_t i = 0, count = pick(200); i < count; ++i) {
+        const int s = static_cast<int>(pick(static_cast<std::uint64_t>(n)));
+        const int d = (s + 1 + static_cast<int>(pick(static_cast<std::uint64_t>(n - 1)))) % n;
+        const std::uint64_t task = (std::uint64_t{static_cast<std::uint32_t>(s)} << 32) | i;
+        pieces[task] = {s, d, static_cast<std::uint32_t>(1 + pick(500))};
+        events.push_back({task, false});
+        events.push_back({task, true});
+      }
+      std::shuffle(events.begin(), events.end(), gen);
+
+      engine::TransmissionPlanner planner(n, limits);
+      std::map<std::pair<int, int>, std::vector<std::uint64_t>> queued;  // reported sends not yet granted, per pair
+      std::vector<std::pair<int, int>> in_flight;                        // granted pieces not yet sent
+      std::set<std::uint64_t> granted;
+      const auto grantable = [&](std::uint64_t task) { return pieces.at(task).ready && pieces.at(task).receiving; };
+      const auto plan = [&] {
+        planner.plan([&](int s, int d, std::span<const std::uint64_t> batch) {
+          REQUIRE_FALSE(batch.empty());
+          auto& q = queued[{s, d}];
+          std::vector<std::uint64_t> expected;  // this pair's grantable pieces, oldest first
+          for (std::uint64_t task : q)
+            if (grantable(task)) expected.push_back(task);
+          REQUIRE(batch.size() <= expected.size());
+          std::size_t bytes = 0;
+          for (std::size_t k = 0; k < batch.size(); ++k) {
+            CHECK(batch[k] == expected[k]);
+            CHECK(granted.insert(batch[k]).second);
+            const Piece& p = pieces.at(batch[k]);
+            CHECK((p.sender == s && p.destination == d));
+            if (k > 0) CHECK(bytes < limits.batch_bytes);  // the batch was still open
+            bytes += p.bytes;
+            in_flight.push_back({s, d});
+            q.erase(std::find(q.begin(), q.end(), batch[k]));
+          }
+          if (batch.size() < expected.size()) CHECK(bytes >= limits.batch_bytes);  // it closed because it was full
+          CHECK(planner.uplink_batches(s) <= limits.window);
+          CHECK(planner.downlink_batches(d) <= limits.window);
+        });
+        for (const auto& [pair, q] : queued)
+          if (std::any_of(q.begin(), q.end(), grantable))
+            CHECK((planner.uplink_batches(pair.first) == limits.window || planner.downlink_batches(pair.second) == limits.window));
+      };
+      while (!events.empty() || !in_flight.empty()) {
+        if (!events.empty() && (in_flight.empty() || pick(2) == 0)) {
+          const auto [task, receive_side] = events.back();
+          events.pop_back();
+          Piece& p = pieces.at(task);
+          if (receive_side) {
+            p.receiving = true;
+            planner.receiving(p.sender, p.destination, task + 1);
+          } else {
+            p.ready = true;
+            planner.ready(p.sender, p.destination, task + 1, p.bytes, task);
+            queued[{p.sender, p.destination}].push_back(task);
+          }
+        } else {
+          const std::size_t k = pick(in_flight.size());
+          planner.sent(in_flight[k].first, in_flight[k].second);
+          in_flight.erase(in_flight.begin() + static_cast<std::ptrdiff_t>(k));
+        }
+        plan();
+      }
+      CHECK(granted.size() == pieces.size());
+      CHECK(planner.queued() == 0);
+      for (int r = 0; r < n; ++r) {
+        CHECK(planner.uplink_batches(r) == 0);
+        CHECK(planner.downlink_batches(r) == 0);
+      }
+    }
+  }
+
+  TEST_CASE("coordinator messages are checked before use") {
+    using namespace engine::coordinator_wire;
+    std::vector<std::byte> buffer(message_bytes<ReportEntry>(max_entries));
+    const std::vector<ReportEntry> entries{{Event::ready, 2, 5, 77, 4096}, {Event::sent, 1, 0, 0, 0}};
+    const std::size_t length = write(std::span(buffer), Kind::report, 3, std::span<const ReportEntry>(entries));
+    std::vector<ReportEntry> out;
+    read(std::span<const std::byte>(buffer.data(), length), Kind::report, 3, out);
+    REQUIRE(out.size() == 2);
+    CHECK(out[0].task == 77);
+    CHECK(out[1].peer == 1);
+    const auto refused = [&](std::vector<std::byte> message, Kind kind, int sender, const char* why) {
+      CAPTURE(why);
+      try {
+        read(std::span<const std::byte>(message), kind, sender, out);
+        FAIL("accepted");
+      } catch (const Error& e) {
+        CHECK(e.kind() == ErrorKind::protocol);
+        CHECK(e.detail().find(why) != std::string::npos);
+      }
+    };
+    const std::vector<std::byte> good(buffer.begin(), buffer.begin() + static_cast<std::ptrdiff_t>(length));
+    refused({good.begin(), good.begin() + 10}, Kind::report, 3, "shorter than its header");
+    refused({good.begin(), good.end() - 1}, Kind::report, 3, "2 entries in 79 bytes");
+    refused(good, Kind::report, 2, "wrong kind or sender");
+    refused(good, Kind::grant, 3, "wrong kind or sender");
+    auto versioned = good;
+    versioned[4] = std::byte{9};
+    refused(versioned, Kind::report, 3, "wire version 9");
+    auto foreign = good;
+    foreign[0] = std::byte{0};
+    refused(foreign, Kind::report, 3, "not a coordinator message");
+    // A finished send the coordinator never granted is refused too.
+    engine::TransmissionPlanner planner(3, {.enabled = true});
+    CHECK_THROWS_WITH_AS(planner.sent(1, 2), doctest::Contains("never granted"), Error);
+    CHECK_THROWS_WITH_AS(planner.ready(1, 1, 5, 10, 0), doctest::Contains("for group rank 1"), Error);
   }
 
   TEST_CASE("ring allreduce with None matches the reference bit for bit") {

@@ -17,6 +17,15 @@ enum class Executor : std::uint8_t {
   serial,
 };
 
+// Coordinated sends (engine/coordinator.hpp): ranks report each piece ready to send to group rank
+// 0, which batches pieces by destination and grants a batch while its sender's uplink and its
+// destination's downlink each carry fewer than `window` batches.
+struct Coordination {
+  bool enabled = false;
+  int window = 2;
+  std::size_t batch_bytes = std::size_t{4} << 20;  // a batch closes once it holds this many bytes
+};
+
 // Settings of a Synchronizer that are not part of any policy.
 struct Options {
   // How long any single wait may last: a transport operation, the layout exchange, or wait()
@@ -34,6 +43,8 @@ struct Options {
   // ParameterServer have them; other topologies are refused with ErrorKind::unsupported); with
   // an identity codec it changes nothing.
   bool selective_compression = false;
+  // Coordinated sends (task graph only). Results do not depend on it.
+  Coordination coordination;
 };
 
 // What the last completed iteration cost this rank.
@@ -57,6 +68,10 @@ struct IterationStats {
   std::chrono::nanoseconds queued{0};
   // Task graph: time with at least one transfer in flight (the communication queue's busy time).
   std::chrono::nanoseconds in_flight{0};
+  // Coordinated sends: bytes of report and grant messages this rank sent, and the time its sends
+  // waited for their grants (summed over sends).
+  std::uint64_t control_bytes = 0;
+  std::chrono::nanoseconds awaiting_grant{0};
 
   double compression_ratio() const {
     return bytes_sent ? static_cast<double>(bytes_uncompressed) / static_cast<double>(bytes_sent) : 1.0;

@@ -67,6 +67,12 @@ class Synchronizer {
       throw Error(ErrorKind::unsupported, here("options"),
                   fmt::format("selective compression needs a topology with shape() and chunk_elements; {} has not",
                               topology_.describe()));
+    if (options_.coordination.enabled && options_.executor != Executor::task_graph)
+      throw Error(ErrorKind::invalid_argument, here("options"), "coordinated sends need the task-graph executor");
+    if (options_.coordination.enabled && options_.coordination.window < 1)
+      throw Error(ErrorKind::invalid_argument, here("options"),
+                  fmt::format("coordination window is {}; at least one batch per link must be allowed",
+                              options_.coordination.window));
   }
 
   Synchronizer(const Synchronizer&) = delete;
@@ -234,7 +240,8 @@ class Synchronizer {
                                                       std::lock_guard lock(mutex_);
                                                       engine_failed_ = true;
                                                       work_cv_.notify_all();
-                                                    }});
+                                                    }},
+            options_.coordination);
       install(bucketing_.initial_plan(layout_));
       thread_ = std::thread([this] { communicate_then_exit(); });
       frozen_.store(true, std::memory_order_release);
@@ -449,6 +456,8 @@ class Synchronizer {
     stats_.waiting += e.waiting;
     stats_.queued += e.queued;
     stats_.in_flight += e.in_flight;
+    stats_.control_bytes += e.control_bytes;
+    stats_.awaiting_grant += e.awaiting_grant;
   }
 
   // Hands this iteration's timings to the bucketing policy and, when due, agrees a new plan.
@@ -532,9 +541,12 @@ class Synchronizer {
 
   void exchange_layouts() {
     const std::string policies =
-        fmt::format("bucketing={} codec={} topology={} transport={} world={} selective-compression={}",
+        fmt::format("bucketing={} codec={} topology={} transport={} world={} selective-compression={} coordination={}",
                     bucketing_.describe(), codec_.describe(), topology_.describe(), transport_.describe(), size(),
-                    options_.selective_compression);
+                    options_.selective_compression,
+                    options_.coordination.enabled ? fmt::format("window {}, batches of {} bytes", options_.coordination.window,
+                                                                options_.coordination.batch_bytes)
+                                                  : "off");
     const std::string mine = detail::describe_layout(layout_, policies);
     std::string verdict;
     if (rank() == 0) {

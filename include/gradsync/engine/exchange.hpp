@@ -53,6 +53,8 @@ struct ExchangeStats {
   std::chrono::nanoseconds waiting{0};    // serial executor: blocked waiting for the transport
   std::chrono::nanoseconds queued{0};     // task graph: compute tasks ready but waiting for a thread
   std::chrono::nanoseconds in_flight{0};  // task graph: time with at least one transfer in flight
+  std::uint64_t control_bytes = 0;            // coordination: report and grant messages sent
+  std::chrono::nanoseconds awaiting_grant{0};  // coordination: time sends waited for their grant (summed)
 
   ExchangeStats& operator+=(const ExchangeStats& o) {
     bytes_sent += o.bytes_sent;
@@ -61,6 +63,8 @@ struct ExchangeStats {
     waiting += o.waiting;
     queued += o.queued;
     in_flight += o.in_flight;
+    control_bytes += o.control_bytes;
+    awaiting_grant += o.awaiting_grant;
     return *this;
   }
 };
@@ -192,6 +196,13 @@ class BucketExchange {
   }
 
   typename X::Request& request(std::size_t index) noexcept { return requests_[index]; }
+
+  // The bytes send step `index` puts on the wire (once its encode, if any, has run), for values
+  // of `value_bytes` each.
+  std::size_t send_bytes(std::size_t index, std::size_t value_bytes) const noexcept {
+    const Step& step = schedule_.steps[index];
+    return step.slot == no_slot ? step.range.size() * value_bytes : slot_bytes_[step.slot];
+  }
 
   // `e` with this rank, step `index`'s peer, the bucket and the step's operation filled in.
   Error located(const Error& e, std::size_t index, const ExchangeContext& ctx) const {

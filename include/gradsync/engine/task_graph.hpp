@@ -15,6 +15,12 @@
 // schedule order. Since the graph keeps every ordering the list order relied on, the results are
 // bit for bit those of the serial executor, whatever the thread count or timing.
 //
+// With coordination (coordinator.hpp), a ready send is not posted but reported to the group's
+// coordinator and held until the coordinator grants it; the communication thread carries the
+// reports and grants too, and on the coordinator (group rank 0) it also runs the planner. An
+// iteration starts every installed bucket once; on the coordinator finish() also waits until
+// every rank has reported the iteration finished.
+//
 // Nothing is allocated per task: queues and per-step counters are sized by install().
 // The transport must have no request of this engine pending when it is destroyed; the
 // Synchronizer aborts the transport on failure, which settles them all.
@@ -29,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "gradsync/engine/coordinator.hpp"
 #include "gradsync/engine/dependencies.hpp"
 #include "gradsync/engine/exchange.hpp"
 
@@ -43,8 +50,11 @@ class TaskGraph final : private transport::CompletionSink {
   };
 
   TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
-            Hooks hooks)
+            Hooks hooks, Coordination coordination = {})
       : transport_(transport), codec_(codec), group_(group), timeout_(timeout), hooks_(std::move(hooks)) {
+    if (coordination.enabled && group.size() > 1) channel_.emplace(transport, group, coordination, static_cast<transport::CompletionSink*>(this), task_id(control_job, 0));
+    reserve_completions(0);
+    if (channel_) channel_->start();
     for (int i = 0; i < std::max(1, compute_threads); ++i) workers_.emplace_back([this] { compute_loop(); });
     communication_ = std::thread([this] { communication_loop(); });
   }
@@ -61,12 +71,16 @@ class TaskGraph final : private transport::CompletionSink {
     communication_cv_.notify_all();
     for (auto& worker : workers_) worker.join();
     communication_.join();
+    channel_.reset();  // withdraws its standing receives, which may still report here
   }
 
   // Takes the buckets of a new plan, in plan order; no bucket may be running. The exchanges must
   // stay where they are until the next install().
   void install(std::span<BucketExchange<C, X>* const> exchanges) {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
+    // With coordination the communication thread may be serving other ranks' reports: wait until
+    // it is back under the lock before resizing what it works on.
+    done_cv_.wait(lock, [&] { return !communicating_; });
     jobs_.clear();
     jobs_.resize(exchanges.size());
     std::size_t steps = 0, transfers = 0;
@@ -78,6 +92,7 @@ class TaskGraph final : private transport::CompletionSink {
       job.waiting.resize(list.size());
       job.ready_at.resize(list.size() + 1);
       job.settled.resize(list.size());
+      job.held.assign(list.size(), 0);
       steps += list.size() + 1;
       for (std::size_t s = 0; s < list.size(); ++s)
         if (is_transfer(list[s].op)) {
@@ -85,13 +100,21 @@ class TaskGraph final : private transport::CompletionSink {
           job.exchange->request(s).report_to(this, task_id(static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(s)));
         }
     }
+    if (channel_) {
+      sends_to_.assign(group_.members.size(), 0);
+      for (const Job& job : jobs_)
+        for (const Step& step : job.exchange->schedule().steps)
+          if (step.op == Step::Op::send) ++sends_to_[static_cast<std::size_t>(step.peer)];
+      announce_ = true;
+      communication_cv_.notify_one();
+    }
     compute_ready_.reserve(steps);
     communication_ready_.reserve(transfers);
-    completions_.reserve(transfers);
-    settling_.reserve(transfers);
+    reserve_completions(transfers);
     posting_.reserve(transfers);
     finished_.reserve(transfers);
     posted_.reserve(transfers);
+    granted_.reserve(transfers);
   }
 
   // Starts bucket `bucket` of the installed plan on `values` (which must stay alive and untouched
@@ -109,6 +132,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::fill(job.settled.begin(), job.settled.end(), std::uint8_t{0});
     job.left = static_cast<std::uint32_t>(job.waiting.size());
     ++running_buckets_;
+    iteration_active_ = true;
     if (job.left == 0) return make_ready(bucket, job.steps());  // nothing to exchange: straight to the epilogue
     for (std::uint32_t s = 0; s < job.waiting.size(); ++s)
       if (job.waiting[s] == 0) make_ready(bucket, s);
@@ -119,10 +143,22 @@ class TaskGraph final : private transport::CompletionSink {
   // then throws the first failure's Error (naming rank, peer, bucket and operation).
   ExchangeStats finish() {
     std::unique_lock lock(mutex_);
-    done_cv_.wait(lock, [&] { return running_buckets_ == 0 || quiet_after_failure(); });
+    // Other ranks: the report that this iteration is over must have left before the caller may
+    // move on (or destroy the engine).
+    done_cv_.wait(lock, [&] { return (running_buckets_ == 0 && !report_finished_ && !reports_pending_) || quiet_after_failure(); });
+    if (!failed_ && coordinating() &&
+        !done_cv_.wait_until(lock, Clock::now() + timeout_, [&] { return everyone_finished() || quiet_after_failure(); }))
+      fail(Error(ErrorKind::timeout,
+                 {.rank = group_.members[0], .peer = group_.members[channel_behind_], .operation = "coordinator"},
+                 fmt::format("group rank {} did not report the end of iteration {} within {} ms", channel_behind_,
+                             iterations_, timeout_.count())));
+    done_cv_.wait(lock, [&] { return !failed_ || quiet_after_failure(); });
     if (failed_) throw *error_;
     posted_.clear();
     posted_head_ = 0;
+    buckets_done_ = 0;
+    ++iterations_;
+    iteration_active_ = false;
     return std::exchange(stats_, {});
   }
 
@@ -133,8 +169,10 @@ class TaskGraph final : private transport::CompletionSink {
     BucketExchange<C, X>* exchange = nullptr;
     Dependencies graph;
     std::vector<std::uint32_t> waiting;       // per step: dependencies not yet done
-    std::vector<Clock::time_point> ready_at;  // per compute task (and the epilogue): when it was queued
+    std::vector<Clock::time_point> ready_at;  // per compute task (and the epilogue): when it was queued;
+                                              // per coordinated send: when it was reported
     std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
+    std::vector<std::uint8_t> held;           // per send: waiting for the coordinator's grant
     std::uint32_t left = 0;                   // steps not yet done
     void* values = nullptr;
     std::size_t elements = 0;
@@ -148,6 +186,8 @@ class TaskGraph final : private transport::CompletionSink {
     Clock::time_point deadline;
     std::uint64_t task;
   };
+
+  static constexpr std::uint32_t control_job = 0xffffffffu;  // task ids of the coordinator channel's requests
 
   static std::uint64_t task_id(std::uint32_t bucket, std::uint32_t step) noexcept {
     return (std::uint64_t{bucket} << 32) | step;
@@ -168,6 +208,14 @@ class TaskGraph final : private transport::CompletionSink {
   }
 
   // ---- with the lock held ----------------------------------------------------------------------
+
+  // Room for a completion of every request that can be pending at once: completed() cannot
+  // allocate, and drops what does not fit.
+  void reserve_completions(std::size_t transfers) {
+    const std::size_t requests = transfers + (channel_ ? channel_->requests() : 0);
+    completions_.reserve(requests);
+    settling_.reserve(requests);
+  }
 
   void make_ready(std::uint32_t bucket, std::uint32_t step) {
     Job& job = jobs_[bucket];
@@ -191,6 +239,10 @@ class TaskGraph final : private transport::CompletionSink {
     Job& job = jobs_[bucket];
     if (step == job.steps()) {
       if (--running_buckets_ == 0) done_cv_.notify_all();
+      if (channel_ && ++buckets_done_ == jobs_.size()) {
+        report_finished_ = true;
+        communication_cv_.notify_one();
+      }
       return;
     }
     const Dependencies& graph = job.graph;
@@ -210,6 +262,9 @@ class TaskGraph final : private transport::CompletionSink {
   }
 
   bool quiet_after_failure() const { return failed_ && running_compute_ == 0 && !communicating_; }
+
+  bool coordinating() const { return channel_ && group_.rank == 0; }
+  bool everyone_finished() const { return finished_everywhere_ > iterations_; }
 
   // ---- the compute queue -----------------------------------------------------------------------
 
@@ -256,6 +311,12 @@ class TaskGraph final : private transport::CompletionSink {
 
   // ---- the communication queue -----------------------------------------------------------------
 
+  // Posts transfer `task` (communication thread, without the lock).
+  void post(std::uint64_t task, ExchangeStats& sent) {
+    Job& job = jobs_[bucket_of(task)];
+    with_values(job, [&](auto values) { job.exchange->post(step_of(task), values, transport_, context(job, bucket_of(task)), sent); });
+  }
+
   // With the lock held: moves past transfers already settled; true if one is still pending.
   bool oldest_pending() {
     for (; posted_head_ < posted_.size(); ++posted_head_) {
@@ -277,7 +338,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::unique_lock lock(mutex_);
     for (;;) {
       const auto has_work = [&] {
-        return stopping_ || (!failed_ && (!communication_ready_.empty() || !completions_.empty()));
+        return stopping_ || (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
       };
       if (!failed_ && oldest_pending())
         communication_cv_.wait_until(lock, posted_[posted_head_].deadline, has_work);
@@ -293,7 +354,13 @@ class TaskGraph final : private transport::CompletionSink {
         communication_ready_.pop_back();
       }
       std::swap(completions_, settling_);
-      const std::optional<Posted> oldest = overdue ? std::optional<Posted>(posted_[posted_head_]) : std::nullopt;
+      const Posted oldest = overdue ? posted_[posted_head_] : Posted{};
+      const bool finished_iteration = std::exchange(report_finished_, false);
+      if (finished_iteration) reports_pending_ = true;  // until this pass has posted the report
+      const bool announce = std::exchange(announce_, false);
+      if (announce) announced_ = sends_to_;
+      const bool active = iteration_active_;
+      const std::uint64_t iterations = iterations_;
       communicating_ = true;
       lock.unlock();
 
@@ -301,37 +368,87 @@ class TaskGraph final : private transport::CompletionSink {
       ExchangeStats sent;
       std::uint64_t current = 0;
       try {
+        if (announce) {
+          current = task_id(control_job, 0);
+          channel_->announce(announced_);
+        }
         for (std::uint64_t task : posting_) {
           current = task;
           Job& job = jobs_[bucket_of(task)];
-          with_values(job, [&](auto values) {
-            job.exchange->post(step_of(task), values, transport_, context(job, bucket_of(task)), sent);
-          });
+          const Step& step = job.exchange->schedule().steps[step_of(task)];
+          if (channel_ && step.op == Step::Op::send) {
+            job.held[step_of(task)] = 1;
+            ++holding_;
+            job.ready_at[step_of(task)] = Clock::now();
+            channel_->ready(task, step.peer, make_tag(job.iteration, bucket_of(task), step.message),
+                            job.exchange->send_bytes(step_of(task), job.f64 ? sizeof(double) : sizeof(float)));
+          } else {
+            post(task, sent);
+            if (channel_) channel_->receiving(step.peer, make_tag(job.iteration, bucket_of(task), step.message));
+          }
         }
         for (std::uint64_t task : settling_) {
           current = task;
+          if (bucket_of(task) == control_job) {
+            channel_->completed(step_of(task), granted_, timeout_);
+            continue;
+          }
           Job& job = jobs_[bucket_of(task)];
+          const Step& step = job.exchange->schedule().steps[step_of(task)];
           const std::size_t bytes = transport_.wait(job.exchange->request(step_of(task)), Clock::now() + timeout_);
-          if (job.exchange->schedule().steps[step_of(task)].op == Step::Op::recv)
+          if (step.op == Step::Op::recv)
             with_values(job, [&](auto values) {
               job.exchange->template received<typename decltype(values)::value_type>(step_of(task), bytes);
             });
+          else if (channel_)
+            channel_->sent(step.peer);
           finished_.push_back(task);
         }
-        if (oldest) {
+        if (channel_) {
+          current = task_id(control_job, 0);
+          if (finished_iteration) channel_->finished();
+          channel_->flush(granted_);
+          for (std::uint64_t task : granted_) {
+            current = task_id(control_job, 0);
+            Job* job = bucket_of(task) < jobs_.size() ? &jobs_[bucket_of(task)] : nullptr;
+            if (!job || step_of(task) >= job->steps() || !job->held[step_of(task)])
+              throw Error(ErrorKind::protocol, {.rank = group_.members[group_.rank], .peer = group_.members[0], .operation = "coordinator grant"},
+                          fmt::format("grant for bucket {} step {}, which is not waiting for one", bucket_of(task), step_of(task)));
+            current = task;
+            job->held[step_of(task)] = 0;
+            --holding_;
+            sent.awaiting_grant += Clock::now() - job->ready_at[step_of(task)];
+            post(task, sent);
+          }
+          granted_.clear();
+          current = task_id(control_job, 0);
+          // A peer whose reports or grants are gone matters only while something waits on them.
+          if (const auto& lost = channel_->lost();
+              lost && (group_.rank == 0 ? active && channel_->finished_by(channel_->lost_peer()) <= iterations : holding_ > 0))
+            throw *lost;
+        }
+        if (overdue) {
           // Past its deadline: the transport withdraws it and throws, unless it has just completed
           // (then its report is already on the way).
-          current = oldest->task;
-          transport_.wait(jobs_[bucket_of(current)].exchange->request(step_of(current)), oldest->deadline);
+          current = oldest.task;
+          if (jobs_[bucket_of(current)].held[step_of(current)])
+            throw Error(ErrorKind::timeout, {},
+                        fmt::format("no grant from the coordinator (rank {}) within {} ms", group_.members[0], timeout_.count()));
+          transport_.wait(jobs_[bucket_of(current)].exchange->request(step_of(current)), oldest.deadline);
         }
       } catch (const Error& e) {
-        const Job& job = jobs_[bucket_of(current)];
-        error = job.exchange->located(e, step_of(current), context(job, bucket_of(current)));
+        if (bucket_of(current) == control_job) {
+          error = e.filled({.rank = group_.members[group_.rank], .operation = "coordinator"});
+        } else {
+          const Job& job = jobs_[bucket_of(current)];
+          error = job.exchange->located(e, step_of(current), context(job, bucket_of(current)));
+        }
       }
       const auto now = Clock::now();
 
       lock.lock();
       communicating_ = false;
+      if (channel_) done_cv_.notify_all();  // install() may be waiting for this
       for (std::uint64_t task : posting_) {
         if (in_flight_++ == 0) in_flight_since_ = now;
         posted_.push_back({now + timeout_, task});
@@ -342,6 +459,18 @@ class TaskGraph final : private transport::CompletionSink {
       }
       stats_.bytes_sent += sent.bytes_sent;
       stats_.bytes_uncompressed += sent.bytes_uncompressed;
+      stats_.awaiting_grant += sent.awaiting_grant;
+      if (channel_) {
+        reports_pending_ = channel_->reports_pending();
+        if (!reports_pending_) done_cv_.notify_all();
+        stats_.control_bytes += channel_->bytes_sent() - control_bytes_counted_;
+        control_bytes_counted_ = channel_->bytes_sent();
+        if (coordinating()) {
+          finished_everywhere_ = channel_->finished_everywhere();
+          channel_behind_ = channel_->first_behind(iterations_ + 1);
+          done_cv_.notify_all();
+        }
+      }
       if (error) {
         fail(std::move(*error));
       } else {
@@ -384,6 +513,22 @@ class TaskGraph final : private transport::CompletionSink {
   std::vector<std::uint64_t> posting_;
   std::vector<std::uint64_t> settling_;
   std::vector<std::uint64_t> finished_;
+
+  // Coordination: the channel is used by the communication thread only; the rest under the lock.
+  std::optional<CoordinatorChannel<X>> channel_;
+  std::vector<std::uint64_t> granted_;  // sends the coordinator has just granted this rank
+  std::size_t holding_ = 0;             // sends waiting for a grant
+  std::vector<std::size_t> sends_to_;   // install(): sends per destination in the new plan
+  bool announce_ = false;               // ... not yet announced to the coordinator
+  std::vector<std::size_t> announced_;  // the communication thread's copy
+  std::uint64_t control_bytes_counted_ = 0;
+  std::size_t buckets_done_ = 0;        // epilogues run since the last finish()
+  bool report_finished_ = false;        // every bucket is done: tell the coordinator
+  bool reports_pending_ = false;        // the channel has report entries not yet posted
+  bool iteration_active_ = false;       // a bucket was started since the last finish()
+  std::uint64_t iterations_ = 0;        // finish() calls that returned
+  std::uint64_t finished_everywhere_ = 0;  // coordinator: iterations every rank has reported finished
+  int channel_behind_ = 0;                 // coordinator: a rank that has not, for the error message
 
   std::vector<std::thread> workers_;
   std::thread communication_;
