@@ -7,6 +7,7 @@
 //          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server] [--partitions P]
 //          [--chunk-mib M]
 //          [--executor task-graph|serial] [--compute-threads N] [--selective]
+//          [--coordinate] [--window W] [--batch-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
 //          [--drift-at N] [--drift-factor F] [--spin] [--json PATH]
 //
@@ -73,6 +74,7 @@ struct Config {
   std::string executor = "task-graph";
   int compute_threads = 1;
   bool selective = false;
+  gs::Coordination coordination;
 };
 
 struct Sample {
@@ -92,7 +94,8 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   const gs::Options options{.timeout = std::chrono::minutes(5),
                             .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
                             .compute_threads = cfg.compute_threads,
-                            .selective_compression = cfg.selective};
+                            .selective_compression = cfg.selective,
+                            .coordination = cfg.coordination};
   gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
                                                                         policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
@@ -145,7 +148,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
                          sync.last_iteration().buckets, sync.last_iteration()});
   }
   if (rank != 0) return 0;
-  std::vector<double> times, exposed, compute, in_flight, waiting;
+  std::vector<double> times, exposed, compute, in_flight, waiting, control_kb, awaiting_grant;
   const auto ms = [](std::chrono::nanoseconds t) { return std::chrono::duration<double, std::milli>(t).count(); };
   for (const auto& s : samples) {
     times.push_back(s.iteration_ms);
@@ -153,6 +156,8 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     compute.push_back(ms(s.stats.compute));
     in_flight.push_back(ms(s.stats.in_flight));
     waiting.push_back(ms(s.stats.waiting));
+    control_kb.push_back(static_cast<double>(s.stats.control_bytes) / 1e3);
+    awaiting_grant.push_back(ms(s.stats.awaiting_grant));
   }
   const gs::IterationStats& last = samples.back().stats;
   const std::string policy_name =
@@ -172,15 +177,21 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
              static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (ranks - 1) / std::max(1, ranks),
              median(compute), median(in_flight), median(waiting));
   fmt::print("# plan changed after iterations: {}\n", fmt::join(plan_changes, ", "));
+  if (cfg.coordination.enabled)
+    fmt::print("# coordinated (window {}, batches of {} KiB): rank 0 sent {:.1f} KB of grants per iteration; its sends "
+               "waited {:.1f} ms for grants (summed over sends)\n",
+               cfg.coordination.window, cfg.coordination.batch_bytes >> 10, median(control_kb), median(awaiting_grant));
   if (!cfg.json.empty()) {
     auto out = fmt::output_file(cfg.json);
     out.print(R"({{"trace": "{}", "policy": "{}", "ranks": {}, "bytes": {}, "size_scale": {}, "time_scale": {}, )"
               R"("jitter": {}, "drift_at": {}, "drift_factor": {}, "buckets": {}, "iteration_ms": {:.3f}, )"
               R"("exposed_ms": {:.3f}, "codec": "{}", "selective": {}, "topology": "{}", "executor": "{}", "compute_threads": {}, )"
-              R"("wire_bytes": {}, "plan_changes": [{}], "samples": [)",
+              R"("wire_bytes": {}, "coordinated": {}, "window": {}, "batch_bytes": {}, "control_kb": {:.3f}, )"
+              R"("awaiting_grant_ms": {:.3f}, "plan_changes": [{}], "samples": [)",
               cfg.trace, policy_name, ranks, bytes, cfg.size_scale, cfg.time_scale, cfg.jitter, cfg.drift_at,
               cfg.drift_factor, samples.back().buckets, median(times), median(exposed), cfg.codec, cfg.selective, cfg.topology,
-              cfg.executor, cfg.compute_threads, last.bytes_sent, fmt::join(plan_changes, ", "));
+              cfg.executor, cfg.compute_threads, last.bytes_sent, cfg.coordination.enabled, cfg.coordination.window,
+              cfg.coordination.batch_bytes, median(control_kb), median(awaiting_grant), fmt::join(plan_changes, ", "));
     for (std::size_t i = 0; i < samples.size(); ++i)
       out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "buckets": {}}})", i ? ", " : "",
                 samples[i].iteration_ms, samples[i].exposed_ms, samples[i].buckets);
@@ -219,11 +230,14 @@ Config parse(int argc, char** argv) {
     else if (arg == "--executor") cfg.executor = value();
     else if (arg == "--compute-threads") cfg.compute_threads = std::stoi(value());
     else if (arg == "--selective") cfg.selective = true;
+    else if (arg == "--coordinate") cfg.coordination.enabled = true;
+    else if (arg == "--window") cfg.coordination.window = std::stoi(value());
+    else if (arg == "--batch-kib") cfg.coordination.batch_bytes = std::stoul(value()) << 10;
     else
       throw std::invalid_argument("unknown option " + arg +
                                   "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C --min-bucket-kib K "
                                   "--codec NAME --threshold T --keep F --topology ring|parameter-server --partitions P --chunk-mib M "
-                                  "--executor task-graph|serial --compute-threads N --selective "
+                                  "--executor task-graph|serial --compute-threads N --selective --coordinate --window W --batch-kib K "
                                   "--iters I --warmup W --size-scale S --time-scale T --jitter X --drift-at N "
                                   "--drift-factor F --spin --json PATH");
   }
