@@ -43,7 +43,11 @@ namespace gradsync::engine {
 class TransmissionPlanner {
  public:
   TransmissionPlanner(int ranks, Coordination limits)
-      : ranks_(ranks), limits_(limits), pairs_(static_cast<std::size_t>(ranks) * ranks), uplink_(ranks), downlink_(ranks) {
+      : ranks_(ranks),
+        limits_(limits),
+        pairs_(static_cast<std::size_t>(ranks) * ranks),
+        uplink_(ranks),
+        downlink_(ranks) {
     limits_.window = std::max(1, limits_.window);
   }
 
@@ -125,7 +129,8 @@ class TransmissionPlanner {
       if (!best) return;
       batch_.clear();
       std::size_t bytes = 0;
-      for (std::size_t i = best_first; i < best->queued.size() && (batch_.empty() || bytes < limits_.batch_bytes); ++i) {
+      for (std::size_t i = best_first; i < best->queued.size() && (batch_.empty() || bytes < limits_.batch_bytes);
+           ++i) {
         Piece& piece = best->queued[i];
         if (piece.granted || !piece.receivable) continue;
         piece.granted = true;
@@ -159,7 +164,7 @@ class TransmissionPlanner {
     bool granted = false;
   };
   struct Pair {
-    std::vector<Piece> queued;            // reported, oldest first; those before `head` all granted
+    std::vector<Piece> queued;  // reported, oldest first; those before `head` all granted
     std::size_t head = 0;
     std::vector<std::uint64_t> receiving;  // receives posted before their piece was reported
     std::vector<std::uint32_t> batches;    // pieces in each granted batch not yet freed, oldest first
@@ -234,7 +239,8 @@ constexpr std::size_t message_bytes(std::size_t entries) {
 // Writes a message into `out` (sized for max_entries) and returns its length.
 template <class Entry>
 std::size_t write(std::span<std::byte> out, Kind kind, int sender, std::span<const Entry> entries) {
-  const Header header{magic, version, kind, static_cast<std::uint32_t>(sender), static_cast<std::uint32_t>(entries.size())};
+  const Header header{magic, version, kind, static_cast<std::uint32_t>(sender),
+                      static_cast<std::uint32_t>(entries.size())};
   std::memcpy(out.data(), &header, sizeof header);
   if (!entries.empty()) std::memcpy(out.data() + sizeof header, entries.data(), entries.size_bytes());
   return message_bytes<Entry>(entries.size());
@@ -244,14 +250,16 @@ std::size_t write(std::span<std::byte> out, Kind kind, int sender, std::span<con
 template <class Entry>
 void read(std::span<const std::byte> in, Kind kind, int sender, std::vector<Entry>& out) {
   const auto bad = [&](std::string why) {
-    return Error(ErrorKind::protocol, {.operation = "coordinator"},
-                 fmt::format("{} message from group rank {}: {}", kind == Kind::report ? "report" : "grant", sender, why));
+    return Error(
+        ErrorKind::protocol, {.operation = "coordinator"},
+        fmt::format("{} message from group rank {}: {}", kind == Kind::report ? "report" : "grant", sender, why));
   };
   Header header;
   if (in.size() < sizeof header) throw bad(fmt::format("{} bytes, shorter than its header", in.size()));
   std::memcpy(&header, in.data(), sizeof header);
   if (header.magic != magic) throw bad("not a coordinator message");
-  if (header.version != version) throw bad(fmt::format("wire version {}, this build speaks {}", header.version, version));
+  if (header.version != version)
+    throw bad(fmt::format("wire version {}, this build speaks {}", header.version, version));
   if (header.kind != kind || header.sender != static_cast<std::uint32_t>(sender)) throw bad("wrong kind or sender");
   if (header.count > max_entries || in.size() != message_bytes<Entry>(header.count))
     throw bad(fmt::format("{} entries in {} bytes", header.count, in.size()));
@@ -291,9 +299,10 @@ class CoordinatorChannel {
         grants_head_(group.size()),
         finished_(group.size()) {
     for (std::size_t i = 0; i < requests_.size(); ++i) {
-      buffers_[i] = detail::AlignedBuffer(incoming_report(i) || outgoing_report(i)
-                                              ? coordinator_wire::message_bytes<coordinator_wire::ReportEntry>(coordinator_wire::max_entries)
-                                              : coordinator_wire::message_bytes<std::uint64_t>(coordinator_wire::max_entries));
+      buffers_[i] = detail::AlignedBuffer(
+          incoming_report(i) || outgoing_report(i)
+              ? coordinator_wire::message_bytes<coordinator_wire::ReportEntry>(coordinator_wire::max_entries)
+              : coordinator_wire::message_bytes<std::uint64_t>(coordinator_wire::max_entries));
       requests_[i].report_to(sink, id_base + i);
     }
     busy_.assign(requests_.size(), 0);
@@ -336,7 +345,9 @@ class CoordinatorChannel {
   void receiving(int source, std::uint64_t tag) {
     record({coordinator_wire::Event::receiving, static_cast<std::uint32_t>(source), tag, 0, 0});
   }
-  void sent(int destination) { record({coordinator_wire::Event::sent, static_cast<std::uint32_t>(destination), 0, 0, 0}); }
+  void sent(int destination) {
+    record({coordinator_wire::Event::sent, static_cast<std::uint32_t>(destination), 0, 0, 0});
+  }
   void finished() { record({coordinator_wire::Event::finished, 0, 0, 0, 0}); }
   // A new plan sends `pieces[d]` pieces to each group rank d per iteration.
   void announce(std::span<const std::size_t> pieces) {
@@ -368,10 +379,11 @@ class CoordinatorChannel {
     } catch (const Error& e) {
       busy_[index] = 0;
       const int peer = coordinator_ ? (incoming(index) ? static_cast<int>(index) : peer_of_grant(index)) : 0;
-      Error located = e.filled({.rank = group_.members[group_.rank],
-                                .peer = group_.members[peer],
-                                .operation = incoming(index) ? (coordinator_ ? "coordinator report" : "coordinator grant")
-                                                             : (coordinator_ ? "coordinator grant" : "coordinator report")});
+      Error located =
+          e.filled({.rank = group_.members[group_.rank],
+                    .peer = group_.members[peer],
+                    .operation = incoming(index) ? (coordinator_ ? "coordinator report" : "coordinator grant")
+                                                 : (coordinator_ ? "coordinator grant" : "coordinator report")});
       if (!incoming(index) || e.kind() != ErrorKind::peer_failed) throw located;
       if (!lost_) {
         lost_ = std::move(located);
@@ -421,7 +433,9 @@ class CoordinatorChannel {
  private:
   // Request layout. Coordinator: [peer] report receive (peer >= 1), [n + 2 peer + k] grant sends.
   // Other ranks: [0], [1] report sends, [2] the grant receive.
-  bool incoming(std::size_t i) const noexcept { return coordinator_ ? i < static_cast<std::size_t>(group_.size()) : i == 2; }
+  bool incoming(std::size_t i) const noexcept {
+    return coordinator_ ? i < static_cast<std::size_t>(group_.size()) : i == 2;
+  }
   bool incoming_report(std::size_t i) const noexcept { return coordinator_ && incoming(i); }
   bool outgoing_report(std::size_t i) const noexcept { return !coordinator_ && i < 2; }
   int peer_of_grant(std::size_t i) const noexcept { return static_cast<int>((i - group_.size()) / 2); }
@@ -439,9 +453,15 @@ class CoordinatorChannel {
       case coordinator_wire::Event::ready:
         planner_.ready(sender, peer, entry.tag, static_cast<std::uint32_t>(entry.bytes), entry.task);
         break;
-      case coordinator_wire::Event::receiving: planner_.receiving(peer, sender, entry.tag); break;
-      case coordinator_wire::Event::sent: planner_.sent(sender, peer); break;
-      case coordinator_wire::Event::finished: ++finished_[sender]; break;
+      case coordinator_wire::Event::receiving:
+        planner_.receiving(peer, sender, entry.tag);
+        break;
+      case coordinator_wire::Event::sent:
+        planner_.sent(sender, peer);
+        break;
+      case coordinator_wire::Event::finished:
+        ++finished_[sender];
+        break;
       case coordinator_wire::Event::plan:
         if (entry.bytes > entry.task || entry.task > max_pieces)
           throw Error(ErrorKind::protocol, {.peer = group_.members[sender], .operation = "coordinator report"},
@@ -473,9 +493,9 @@ class CoordinatorChannel {
       if (busy_[i]) continue;
       const std::size_t count = std::min(coordinator_wire::max_entries, unreported_.size() - unreported_head_);
       post(i, 0, tag(report_message, report_seq_[0]++),
-           coordinator_wire::write(std::span(buffers_[i].data(), buffers_[i].size()), coordinator_wire::Kind::report,
-                                   group_.rank,
-                                   std::span<const coordinator_wire::ReportEntry>(unreported_).subspan(unreported_head_, count)));
+           coordinator_wire::write(
+               std::span(buffers_[i].data(), buffers_[i].size()), coordinator_wire::Kind::report, group_.rank,
+               std::span<const coordinator_wire::ReportEntry>(unreported_).subspan(unreported_head_, count)));
       unreported_head_ += count;
     }
     if (unreported_head_ == unreported_.size()) {
@@ -492,8 +512,8 @@ class CoordinatorChannel {
       if (busy_[i]) continue;
       const std::size_t count = std::min(coordinator_wire::max_entries, tasks.size() - head);
       post(i, peer, tag(grant_message, grant_seq_[peer]++),
-           coordinator_wire::write(std::span(buffers_[i].data(), buffers_[i].size()), coordinator_wire::Kind::grant,
-                                   0, std::span<const std::uint64_t>(tasks).subspan(head, count)));
+           coordinator_wire::write(std::span(buffers_[i].data(), buffers_[i].size()), coordinator_wire::Kind::grant, 0,
+                                   std::span<const std::uint64_t>(tasks).subspan(head, count)));
       head += count;
     }
     if (head == tasks.size()) {
@@ -504,7 +524,8 @@ class CoordinatorChannel {
 
   void post(std::size_t i, int peer, std::uint64_t message_tag, std::size_t bytes) {
     busy_[i] = 1;
-    transport_.send(requests_[i], group_.members[peer], message_tag, std::span<const std::byte>(buffers_[i].data(), bytes));
+    transport_.send(requests_[i], group_.members[peer], message_tag,
+                    std::span<const std::byte>(buffers_[i].data(), bytes));
     bytes_sent_ += bytes;
     ++messages_sent_;
   }
@@ -515,14 +536,14 @@ class CoordinatorChannel {
   TransmissionPlanner planner_;  // coordinator only
   std::vector<typename X::Request> requests_;
   std::vector<detail::AlignedBuffer> buffers_;
-  std::vector<std::uint8_t> busy_;                  // request posted and not yet taken
-  std::vector<std::uint64_t> report_seq_;           // coordinator: next report expected per peer; others: [0] next sent
-  std::vector<std::uint64_t> grant_seq_;            // coordinator: next grant per peer; others: [0] next expected
+  std::vector<std::uint8_t> busy_;         // request posted and not yet taken
+  std::vector<std::uint64_t> report_seq_;  // coordinator: next report expected per peer; others: [0] next sent
+  std::vector<std::uint64_t> grant_seq_;   // coordinator: next grant per peer; others: [0] next expected
   std::vector<coordinator_wire::ReportEntry> unreported_;
   std::size_t unreported_head_ = 0;
   std::vector<std::vector<std::uint64_t>> grants_;  // coordinator: granted tasks not yet sent, per peer
   std::vector<std::size_t> grants_head_;
-  std::vector<std::uint64_t> finished_;             // coordinator: iterations each rank has finished
+  std::vector<std::uint64_t> finished_;  // coordinator: iterations each rank has finished
   std::vector<coordinator_wire::ReportEntry> report_in_;
   std::vector<std::uint64_t> grant_in_;
   std::optional<Error> lost_;

@@ -52,7 +52,9 @@ class TaskGraph final : private transport::CompletionSink {
   TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
             Hooks hooks, Coordination coordination = {})
       : transport_(transport), codec_(codec), group_(group), timeout_(timeout), hooks_(std::move(hooks)) {
-    if (coordination.enabled && group.size() > 1) channel_.emplace(transport, group, coordination, static_cast<transport::CompletionSink*>(this), task_id(control_job, 0));
+    if (coordination.enabled && group.size() > 1)
+      channel_.emplace(transport, group, coordination, static_cast<transport::CompletionSink*>(this),
+                       task_id(control_job, 0));
     reserve_completions(0);
     if (channel_) channel_->start();
     for (int i = 0; i < std::max(1, compute_threads); ++i) workers_.emplace_back([this] { compute_loop(); });
@@ -97,7 +99,8 @@ class TaskGraph final : private transport::CompletionSink {
       for (std::size_t s = 0; s < list.size(); ++s)
         if (is_transfer(list[s].op)) {
           ++transfers;
-          job.exchange->request(s).report_to(this, task_id(static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(s)));
+          job.exchange->request(s).report_to(this,
+                                             task_id(static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(s)));
         }
     }
     if (channel_) {
@@ -145,9 +148,12 @@ class TaskGraph final : private transport::CompletionSink {
     std::unique_lock lock(mutex_);
     // Other ranks: the report that this iteration is over must have left before the caller may
     // move on (or destroy the engine).
-    done_cv_.wait(lock, [&] { return (running_buckets_ == 0 && !report_finished_ && !reports_pending_) || quiet_after_failure(); });
-    if (!failed_ && coordinating() &&
-        !done_cv_.wait_until(lock, Clock::now() + timeout_, [&] { return everyone_finished() || quiet_after_failure(); }))
+    done_cv_.wait(lock, [&] {
+      return (running_buckets_ == 0 && !report_finished_ && !reports_pending_) || quiet_after_failure();
+    });
+    if (!failed_ && coordinating() && !done_cv_.wait_until(lock, Clock::now() + timeout_, [&] {
+          return everyone_finished() || quiet_after_failure();
+        }))
       fail(Error(ErrorKind::timeout,
                  {.rank = group_.members[0], .peer = group_.members[channel_behind_], .operation = "coordinator"},
                  fmt::format("group rank {} did not report the end of iteration {} within {} ms", channel_behind_,
@@ -290,11 +296,12 @@ class TaskGraph final : private transport::CompletionSink {
         else
           with_values(job, [&](auto values) { job.exchange->compute(step, values, codec_, group_.size()); });
       } catch (const Error& e) {
-        error = step == job.steps() ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})
-                                    : job.exchange->located(e, step, context(job, bucket));
+        error = step == job.steps()
+                    ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})
+                    : job.exchange->located(e, step, context(job, bucket));
       } catch (const std::exception& e) {
-        error = Error(ErrorKind::internal, {.rank = group_.members[group_.rank], .bucket = bucket, .operation = "compute"},
-                      e.what());
+        error = Error(ErrorKind::internal,
+                      {.rank = group_.members[group_.rank], .bucket = bucket, .operation = "compute"}, e.what());
       }
       const auto ended = Clock::now();
 
@@ -314,7 +321,9 @@ class TaskGraph final : private transport::CompletionSink {
   // Posts transfer `task` (communication thread, without the lock).
   void post(std::uint64_t task, ExchangeStats& sent) {
     Job& job = jobs_[bucket_of(task)];
-    with_values(job, [&](auto values) { job.exchange->post(step_of(task), values, transport_, context(job, bucket_of(task)), sent); });
+    with_values(job, [&](auto values) {
+      job.exchange->post(step_of(task), values, transport_, context(job, bucket_of(task)), sent);
+    });
   }
 
   // With the lock held: moves past transfers already settled; true if one is still pending.
@@ -338,7 +347,8 @@ class TaskGraph final : private transport::CompletionSink {
     std::unique_lock lock(mutex_);
     for (;;) {
       const auto has_work = [&] {
-        return stopping_ || (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
+        return stopping_ ||
+               (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
       };
       if (!failed_ && oldest_pending())
         communication_cv_.wait_until(lock, posted_[posted_head_].deadline, has_work);
@@ -412,8 +422,11 @@ class TaskGraph final : private transport::CompletionSink {
             current = task_id(control_job, 0);
             Job* job = bucket_of(task) < jobs_.size() ? &jobs_[bucket_of(task)] : nullptr;
             if (!job || step_of(task) >= job->steps() || !job->held[step_of(task)])
-              throw Error(ErrorKind::protocol, {.rank = group_.members[group_.rank], .peer = group_.members[0], .operation = "coordinator grant"},
-                          fmt::format("grant for bucket {} step {}, which is not waiting for one", bucket_of(task), step_of(task)));
+              throw Error(
+                  ErrorKind::protocol,
+                  {.rank = group_.members[group_.rank], .peer = group_.members[0], .operation = "coordinator grant"},
+                  fmt::format("grant for bucket {} step {}, which is not waiting for one", bucket_of(task),
+                              step_of(task)));
             current = task;
             job->held[step_of(task)] = 0;
             --holding_;
@@ -424,7 +437,8 @@ class TaskGraph final : private transport::CompletionSink {
           current = task_id(control_job, 0);
           // A peer whose reports or grants are gone matters only while something waits on them.
           if (const auto& lost = channel_->lost();
-              lost && (group_.rank == 0 ? active && channel_->finished_by(channel_->lost_peer()) <= iterations : holding_ > 0))
+              lost &&
+              (group_.rank == 0 ? active && channel_->finished_by(channel_->lost_peer()) <= iterations : holding_ > 0))
             throw *lost;
         }
         if (overdue) {
@@ -433,7 +447,8 @@ class TaskGraph final : private transport::CompletionSink {
           current = oldest.task;
           if (jobs_[bucket_of(current)].held[step_of(current)])
             throw Error(ErrorKind::timeout, {},
-                        fmt::format("no grant from the coordinator (rank {}) within {} ms", group_.members[0], timeout_.count()));
+                        fmt::format("no grant from the coordinator (rank {}) within {} ms", group_.members[0],
+                                    timeout_.count()));
           transport_.wait(jobs_[bucket_of(current)].exchange->request(step_of(current)), oldest.deadline);
         }
       } catch (const Error& e) {
@@ -522,11 +537,11 @@ class TaskGraph final : private transport::CompletionSink {
   bool announce_ = false;               // ... not yet announced to the coordinator
   std::vector<std::size_t> announced_;  // the communication thread's copy
   std::uint64_t control_bytes_counted_ = 0;
-  std::size_t buckets_done_ = 0;        // epilogues run since the last finish()
-  bool report_finished_ = false;        // every bucket is done: tell the coordinator
-  bool reports_pending_ = false;        // the channel has report entries not yet posted
-  bool iteration_active_ = false;       // a bucket was started since the last finish()
-  std::uint64_t iterations_ = 0;        // finish() calls that returned
+  std::size_t buckets_done_ = 0;           // epilogues run since the last finish()
+  bool report_finished_ = false;           // every bucket is done: tell the coordinator
+  bool reports_pending_ = false;           // the channel has report entries not yet posted
+  bool iteration_active_ = false;          // a bucket was started since the last finish()
+  std::uint64_t iterations_ = 0;           // finish() calls that returned
   std::uint64_t finished_everywhere_ = 0;  // coordinator: iterations every rank has reported finished
   int channel_behind_ = 0;                 // coordinator: a rank that has not, for the error message
 
