@@ -349,11 +349,13 @@ class CoordinatorChannel {
     record({coordinator_wire::Event::sent, static_cast<std::uint32_t>(destination), 0, 0, 0});
   }
   void finished() { record({coordinator_wire::Event::finished, 0, 0, 0, 0}); }
-  // A new plan sends `pieces[d]` pieces to each group rank d per iteration.
-  void announce(std::span<const std::size_t> pieces) {
+  // A new plan sends `pieces[d]` pieces to each group rank d and posts `receives` receives per
+  // iteration. An iteration's reports are sized here: ready and sent per piece, receiving per
+  // receive (a parameter-server root receives more than it sends), the plan, finished.
+  void announce(std::span<const std::size_t> pieces, std::size_t receives) {
     std::size_t total = 0;
     for (std::size_t count : pieces) total += count;
-    unreported_.reserve(3 * total + pieces.size() + 1);  // ready, receiving, sent per piece, plan, finished
+    unreported_.reserve(2 * total + receives + pieces.size() + 1);
     for (std::size_t d = 0; d < pieces.size(); ++d)
       if (pieces[d]) record({coordinator_wire::Event::plan, static_cast<std::uint32_t>(d), 0, total, pieces[d]});
   }

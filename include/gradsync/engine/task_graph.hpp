@@ -105,9 +105,12 @@ class TaskGraph final : private transport::CompletionSink {
     }
     if (channel_) {
       sends_to_.assign(group_.members.size(), 0);
+      receives_ = 0;
       for (const Job& job : jobs_)
-        for (const Step& step : job.exchange->schedule().steps)
+        for (const Step& step : job.exchange->schedule().steps) {
           if (step.op == Step::Op::send) ++sends_to_[static_cast<std::size_t>(step.peer)];
+          if (step.op == Step::Op::recv) ++receives_;
+        }
       announce_ = true;
       communication_cv_.notify_one();
     }
@@ -368,7 +371,10 @@ class TaskGraph final : private transport::CompletionSink {
       const bool finished_iteration = std::exchange(report_finished_, false);
       if (finished_iteration) reports_pending_ = true;  // until this pass has posted the report
       const bool announce = std::exchange(announce_, false);
-      if (announce) announced_ = sends_to_;
+      if (announce) {
+        announced_ = sends_to_;
+        announced_receives_ = receives_;
+      }
       const bool active = iteration_active_;
       const std::uint64_t iterations = iterations_;
       communicating_ = true;
@@ -380,7 +386,7 @@ class TaskGraph final : private transport::CompletionSink {
       try {
         if (announce) {
           current = task_id(control_job, 0);
-          channel_->announce(announced_);
+          channel_->announce(announced_, announced_receives_);
         }
         for (std::uint64_t task : posting_) {
           current = task;
@@ -534,8 +540,10 @@ class TaskGraph final : private transport::CompletionSink {
   std::vector<std::uint64_t> granted_;  // sends the coordinator has just granted this rank
   std::size_t holding_ = 0;             // sends waiting for a grant
   std::vector<std::size_t> sends_to_;   // install(): sends per destination in the new plan
+  std::size_t receives_ = 0;            // ... and its receives
   bool announce_ = false;               // ... not yet announced to the coordinator
-  std::vector<std::size_t> announced_;  // the communication thread's copy
+  std::vector<std::size_t> announced_;  // the communication thread's copies
+  std::size_t announced_receives_ = 0;
   std::uint64_t control_bytes_counted_ = 0;
   std::size_t buckets_done_ = 0;           // epilogues run since the last finish()
   bool report_finished_ = false;           // every bucket is done: tell the coordinator
