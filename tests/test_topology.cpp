@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <tuple>
@@ -80,24 +81,31 @@ void check_pairing(const Topology& topology, int n) {
   }
 }
 
-// The parameter server's arithmetic done by hand: each part's root adds its own values, then the
-// others' in group order (each through the codec), averages, and everyone gets the average through
-// the codec.
+// The parameter server's arithmetic done by hand: each part's root adds its own values (unless it
+// is a dedicated server), then the other contributors' in group order (each through the codec),
+// averages over the contributors, and the contributors get the average through the codec.
 template <class C>
 std::vector<float> ps_reference(const C& codec, const topology::ParameterServer& ps,
                                 const std::vector<std::vector<float>>& inputs) {
   const int n = static_cast<int>(inputs.size());
+  const Group group = Group::world(0, n);
+  const int contributors = ps.contributors(group);  // ranks 0 .. contributors-1 when dedicated
   const std::size_t elements = inputs[0].size();
   const std::size_t parts = ps.partitions ? ps.partitions : static_cast<std::size_t>(n);
   std::vector<float> out(elements);
   for (std::size_t p = 0; p < parts; ++p) {
-    const int root = ps.root(Group::world(0, n), p);
+    const int root = ps.root(group, p);
     const ElemRange range = topology::Ring::segment(elements, static_cast<int>(parts), static_cast<int>(p));
     for (std::size_t e = range.begin; e < range.end; ++e) {
-      float sum = inputs[static_cast<std::size_t>(root)][e];
-      for (int s = 0; s < n; ++s)
-        if (s != root) sum += C::identity ? inputs[static_cast<std::size_t>(s)][e] : test::through(codec, inputs[static_cast<std::size_t>(s)][e]);
-      const float average = sum / static_cast<float>(n);
+      const auto contribution = [&](int s) {
+        const float x = inputs[static_cast<std::size_t>(s)][e];
+        return C::identity || s == root ? x : test::through(codec, x);
+      };
+      std::optional<float> sum;
+      if (!ps.dedicated) sum = contribution(root);
+      for (int s = 0; s < contributors; ++s)
+        if (s != root) sum = sum ? *sum + contribution(s) : contribution(s);
+      const float average = *sum / static_cast<float>(contributors);
       out[e] = C::identity || n == 1 ? average : test::through(codec, average);
     }
   }
@@ -186,6 +194,7 @@ TEST_SUITE("topology") {
       check_dependencies(topology::Ring{.chunk_elements = 7}, n);
       check_dependencies(topology::ParameterServer{.partitions = 7, .chunk_elements = 5}, n);
       check_dependencies(topology::ParameterServer{.partitions = 2, .servers = 1}, n);
+      if (n > 1) check_dependencies(topology::ParameterServer{.partitions = 3, .servers = 1, .dedicated = true}, n);
     }
   }
 
@@ -412,6 +421,37 @@ TEST_SUITE("topology") {
     for (int n : {1, 2, 3, 5}) {
       check_pairing(topology::ParameterServer{.chunk_elements = 3}, n);
       check_pairing(topology::ParameterServer{.partitions = 7, .servers = 2}, n);
+      if (n > 1) check_pairing(topology::ParameterServer{.partitions = 7, .servers = 1, .dedicated = true}, n);
+      if (n > 2) check_pairing(topology::ParameterServer{.partitions = 3, .servers = 2, .dedicated = true}, n);
+    }
+  }
+
+  TEST_CASE("dedicated parameter servers: placement, roles, and placements that cannot work") {
+    const topology::ParameterServer ps{.partitions = 5, .servers = 2, .dedicated = true};
+    for (int rank = 0; rank < 5; ++rank) {
+      const Group group = Group::world(rank, 5);
+      CHECK(ps.aggregates_only(group) == (rank >= 3));
+      CHECK(ps.contributors(group) == 3);
+      const Schedule s = ps.schedule(group, 100, {});
+      CHECK(s.contributors == 3);
+      for (const Step& step : s.steps)
+        if (step.op == Step::Op::send || step.op == Step::Op::recv) {
+          CAPTURE(rank);
+          CHECK((rank >= 3) != (step.peer >= 3));  // workers talk to servers only, and servers to workers
+        }
+    }
+    for (std::size_t p = 0; p < 5; ++p) CHECK(ps.root(Group::world(0, 5), p) == 3 + static_cast<int>(p % 2));
+    CHECK_FALSE(topology::ParameterServer{.servers = 2}.aggregates_only(Group::world(4, 5)));  // co-located
+    for (const topology::ParameterServer bad :
+         {topology::ParameterServer{.dedicated = true}, topology::ParameterServer{.servers = 3, .dedicated = true}}) {
+      CAPTURE(bad.describe());
+      try {
+        (void)bad.schedule(Group::world(0, 3), 10, {});
+        FAIL("a placement with no worker or no server was accepted");
+      } catch (const Error& e) {
+        CHECK(e.kind() == ErrorKind::invalid_argument);
+        CHECK(std::string(e.what()).find("dedicated servers in a group of 3") != std::string::npos);
+      }
     }
   }
 
@@ -421,10 +461,15 @@ TEST_SUITE("topology") {
     for (int n : {1, 2, 3, 4, 5}) {
       // Partitions dividing evenly or not, more partitions than elements, roots on some ranks only,
       // pieces smaller than a partition.
-      for (const topology::ParameterServer ps :
-           {topology::ParameterServer{}, topology::ParameterServer{.partitions = 7},
-            topology::ParameterServer{.partitions = 3, .servers = 1},
-            topology::ParameterServer{.partitions = 5, .servers = 2, .chunk_elements = 4}}) {
+      // Dedicated servers (one, or two with more partitions than elements): the workers end with
+      // the reference, and each server with it on the parts it serves.
+      std::vector<topology::ParameterServer> placements{
+          topology::ParameterServer{}, topology::ParameterServer{.partitions = 7},
+          topology::ParameterServer{.partitions = 3, .servers = 1},
+          topology::ParameterServer{.partitions = 5, .servers = 2, .chunk_elements = 4}};
+      if (n > 1) placements.push_back({.partitions = 3, .servers = 1, .dedicated = true});
+      if (n > 2) placements.push_back({.partitions = 5, .servers = 2, .dedicated = true, .chunk_elements = 4});
+      for (const topology::ParameterServer& ps : placements) {
         for (std::size_t elements : {1u, 2u, 13u, 1009u}) {
           CAPTURE(n);
           CAPTURE(elements);
@@ -433,9 +478,17 @@ TEST_SUITE("topology") {
           for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(elements, 500u * static_cast<unsigned>(r) + elements));
           const auto outputs = run_ps(codec, ps, inputs, 2);
           const auto reference = ps_reference(codec, ps, inputs);
+          const std::size_t parts = ps.partitions ? ps.partitions : static_cast<std::size_t>(n);
           for (int r = 0; r < n; ++r) {
             CAPTURE(r);
-            REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);
+            const Group group = Group::world(r, n);
+            for (std::size_t p = 0; p < parts; ++p) {
+              if (ps.aggregates_only(group) && ps.root(group, p) != r) continue;  // unspecified there
+              const ElemRange range = topology::Ring::segment(elements, static_cast<int>(parts), static_cast<int>(p));
+              CAPTURE(p);
+              REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data() + range.begin, reference.data() + range.begin,
+                                  range.size() * sizeof(float)) == 0);
+            }
           }
         }
       }

@@ -101,7 +101,8 @@ constexpr CodecTraits codec_traits() noexcept {
 //
 //   schedule(group, elements, codec)  the steps this rank runs to leave the group's average of a
 //                             bucket of `elements` values in place, given what the codec allows
-//                             (see schedule.hpp). Must be a pure function of its arguments and the
+//                             (see schedule.hpp); Schedule::contributors says how many ranks'
+//                             values the average covers. Must be a pure function of its arguments and the
 //                             policy's fields: each rank computes its own list, and the lists must
 //                             pair every send with exactly one receive.
 template <class T>

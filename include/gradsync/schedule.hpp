@@ -36,7 +36,7 @@ struct Step {
     encode,       // encode `range` into `slot`
     decode_add,   // range += decode(slot)
     decode_copy,  // range = decode(slot)
-    average,      // range /= group size
+    average,      // range /= Schedule::contributors
   };
   Op op = Op::send;
   int peer = -1;                  // group index of the peer for send/recv
@@ -58,6 +58,7 @@ struct PipelineShape {
 struct Schedule {
   std::vector<Step> steps;
   std::vector<std::size_t> slot_elements;  // elements whose encoding each slot must hold
+  int contributors = 0;  // ranks whose values the average covers: the group, less any dedicated servers
 };
 
 }  // namespace gradsync

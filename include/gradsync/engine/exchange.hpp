@@ -105,6 +105,10 @@ class BucketExchange {
       total += detail::align_up(slot_capacity_[s]);
     }
     scratch_ = detail::AlignedBuffer(total);
+    for (const Step& step : schedule_.steps)
+      if (step.op == Step::Op::average && schedule_.contributors < 1)
+        throw Error(ErrorKind::internal, {.operation = "schedule"},
+                    fmt::format("the schedule averages over {} contributors", schedule_.contributors));
     states_.reserve(schedule_.steps.size());
     for (const Step& step : schedule_.steps)
       states_.push_back(codec.make_state(step.op == Step::Op::encode ? step.range.size() : 0, dtype));
@@ -126,7 +130,7 @@ class BucketExchange {
           post(current, values, transport, ctx, stats);
         } else {
           const auto started = std::chrono::steady_clock::now();
-          compute(current, values, codec, ctx.group.size());
+          compute(current, values, codec);
           stats.compute += std::chrono::steady_clock::now() - started;
         }
       }
@@ -142,7 +146,7 @@ class BucketExchange {
 
   // Runs encode, decode or average step `index` on `values`.
   template <class T>
-  void compute(std::size_t index, std::span<T> values, const C& codec, int group_size) {
+  void compute(std::size_t index, std::span<T> values, const C& codec) {
     const Step& step = schedule_.steps[index];
     const auto range = values.subspan(step.range.begin, step.range.size());
     if (raw_ && (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy))
@@ -154,7 +158,7 @@ class BucketExchange {
       case Step::Op::decode_add: codec.decode(encoded(step.slot), range, DecodeMode::add); break;
       case Step::Op::decode_copy: codec.decode(encoded(step.slot), range, DecodeMode::overwrite); break;
       case Step::Op::average: {
-        const T n = static_cast<T>(group_size);
+        const T n = static_cast<T>(schedule_.contributors);
         for (T& v : range) v /= n;
         break;
       }

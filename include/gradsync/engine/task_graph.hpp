@@ -297,7 +297,7 @@ class TaskGraph final : private transport::CompletionSink {
         if (step == job.steps())
           hooks_.bucket_done(bucket);
         else
-          with_values(job, [&](auto values) { job.exchange->compute(step, values, codec_, group_.size()); });
+          with_values(job, [&](auto values) { job.exchange->compute(step, values, codec_); });
       } catch (const Error& e) {
         error = step == job.steps()
                     ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})

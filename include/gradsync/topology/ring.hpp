@@ -70,6 +70,7 @@ struct Ring {
       const int right = wrap(r_ + 1);
       const int owned = wrap(r_ + 1);
       const int steps = n_ - 1;
+      schedule_.contributors = n_;
 
       // Reduce-scatter receives go to fresh slots and are posted first: nothing else uses them.
       std::vector<std::vector<std::uint32_t>> rs_recv(static_cast<std::size_t>(steps));
