@@ -116,16 +116,26 @@ TEST_SUITE("tcp") {
     const std::vector<std::size_t> sizes{0, 1, 13, 1009, 70001};
     // Coordinated sends too: with one connection per peer, a grant queued behind a message its
     // receiver does not expect yet (rank 0's plan after the first iteration) would never arrive.
-    const std::pair<int, bool> variants[] = {{1, false}, {3, false}, {1, true}, {3, true}};  // (connections, coordinated)
+    // With an express lane of 4 KiB the small gradients and the control messages take it, the
+    // 70001-value gradient's 16 KiB pieces the data sockets.
+    struct Variant {
+      int connections;
+      std::size_t express_lane_bytes;
+      bool coordinated;
+    };
+    const Variant variants[] = {{1, 0, false}, {3, 0, false}, {1, 0, true},
+                                {3, 0, true},  {1, 4096, false}, {2, 4096, true}};
     for (int n : {2, 3, 4}) {
-      for (const auto& [connections, coordinated] : variants) {
+      for (const auto& [connections, express_lane_bytes, coordinated] : variants) {
         CAPTURE(n);
         CAPTURE(connections);
+        CAPTURE(express_lane_bytes);
         CAPTURE(coordinated);
         const std::uint16_t port = test::free_port();
         const auto results = test::run_processes(n, [&](int rank) -> std::string {
           TcpOptions o = options(rank, n, port);
           o.connections_per_peer = connections;
+          o.express_lane_bytes = express_lane_bytes;
           Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(
               Tcp(o), {.timeout = 30s, .coordination = {.enabled = coordinated, .window = 1, .batch_bytes = 0}}, {}, {},
               {.chunk_elements = 4096});
@@ -201,9 +211,28 @@ TEST_SUITE("tcp") {
     CHECK(contains(results[0].report, "GRADSYNC_TOKEN"));
   }
 
+  TEST_CASE("ranks that disagree on the express lane are refused, and both sides say why") {
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, 2, port);
+      o.setup_timeout = 3s;
+      if (rank == 1) o.express_lane_bytes = 65536;
+      Tcp t(o);
+      return "connected";
+    });
+    CAPTURE(results[0].report);
+    CAPTURE(results[1].report);
+    CHECK(contains(results[1].report, "error ranks disagree"));
+    CHECK(contains(results[1].report, "it opens 1 sockets per peer, this process 2"));
+    CHECK(contains(results[0].report, "it opens 2 sockets per peer, this process 1"));
+  }
+
   TEST_CASE("a peer speaking another wire version is refused, and both sides say why") {
     namespace wire = transport::tcp_wire;
-    // A real rank 0 meets a rank 1 that speaks version 2.
+    const std::uint16_t newer = wire::version + 1;
+    const std::string refusal = "it speaks gradsync wire version " + std::to_string(newer) +
+                                ", this process speaks version " + std::to_string(wire::version);
+    // A real rank 0 meets a rank 1 that speaks a newer version.
     const std::uint16_t port = test::free_port();
     const auto results = test::run_processes(2, [&](int rank) -> std::string {
       if (rank == 0) {
@@ -214,16 +243,16 @@ TEST_SUITE("tcp") {
       }
       RawPeer fake;
       fake.connect_to(port);
-      const auto reply = fake.join(2);
+      const auto reply = fake.join(newer);
       char byte;
       const bool closed = !fake.get(&byte, 1);
-      return reply && reply->version == wire::version && closed ? "ok" : "rank 0 did not answer with version 1 and close";
+      return reply && reply->version == wire::version && closed ? "ok" : "rank 0 did not answer with its own version and close";
     });
     CHECK_MESSAGE(results[1].ok(), results[1].report);
     CAPTURE(results[0].report);
-    CHECK(contains(results[0].report, "it speaks gradsync wire version 2, this process speaks version 1"));
+    CHECK(contains(results[0].report, refusal));
 
-    // A real rank 1 meets a rank 0 that speaks version 2.
+    // A real rank 1 meets a rank 0 that speaks a newer version.
     const std::uint16_t port2 = test::free_port();
     const auto other = test::run_processes(2, [&](int rank) -> std::string {
       if (rank == 1) {
@@ -242,7 +271,7 @@ TEST_SUITE("tcp") {
       RawPeer fake;
       fake.fd = ::accept(listener, nullptr, nullptr);
       ::close(listener);
-      const auto own = wire::encode(wire::Hello{.version = 2, .rank = 0, .world_size = 2});
+      const auto own = wire::encode(wire::Hello{.version = newer, .rank = 0, .world_size = 2});
       fake.put(own.data(), own.size());
       std::array<std::byte, wire::hello_bytes> theirs{};
       fake.get(theirs.data(), theirs.size());
@@ -250,7 +279,7 @@ TEST_SUITE("tcp") {
     });
     CAPTURE(other[1].report);
     CHECK(contains(other[1].report, "error ranks disagree"));
-    CHECK(contains(other[1].report, "it speaks gradsync wire version 2, this process speaks version 1"));
+    CHECK(contains(other[1].report, refusal));
   }
 
   TEST_CASE("oversized, ill-fitting and truncated frames are refused") {

@@ -62,7 +62,7 @@ class TcpEngine {
  public:
   explicit TcpEngine(const TcpOptions& options) : options_(options), peers_(static_cast<std::size_t>(options.world_size)) {
     check_options();
-    for (auto& p : peers_) p.connections.resize(static_cast<std::size_t>(options_.connections_per_peer));
+    for (auto& p : peers_) p.connections.resize(sockets_per_peer());
     connect_job(Clock::now() + options_.setup_timeout);
     for (auto& p : peers_)
       for (auto& c : p.connections) {
@@ -85,7 +85,12 @@ class TcpEngine {
   int rank() const noexcept { return options_.rank; }
   int size() const noexcept { return options_.world_size; }
 
-  std::string describe() const { return fmt::format("tcp(connections={})", options_.connections_per_peer); }
+  std::string describe() const {
+    return options_.express_lane_bytes == 0
+               ? fmt::format("tcp(connections={})", options_.connections_per_peer)
+               : fmt::format("tcp(connections={}, express lane up to {} bytes)", options_.connections_per_peer,
+                             options_.express_lane_bytes);
+  }
 
   void post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
             std::size_t size) {
@@ -103,7 +108,9 @@ class TcpEngine {
     r.state_ = Request::State::pending;
     if (peer == options_.rank) return post_to_self(r);
     if (is_send) {
-      Connection& c = *p.connections[p.next_connection++ % p.connections.size()];
+      const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
+      Connection& c = size <= options_.express_lane_bytes ? *p.connections.back()  // the express lane
+                                                          : *p.connections[p.next_connection++ % data_sockets];
       c.queue.push(&r);
       if (!c.writing) {
         c.writing = true;
@@ -169,6 +176,11 @@ class TcpEngine {
  private:
   ErrorContext where(int peer, std::string operation) const {
     return {.rank = options_.rank, .peer = peer >= 0 ? std::optional<int>(peer) : std::nullopt, .operation = std::move(operation)};
+  }
+
+  // The data sockets, then the express lane's if there is one.
+  std::size_t sockets_per_peer() const {
+    return static_cast<std::size_t>(options_.connections_per_peer) + (options_.express_lane_bytes > 0 ? 1 : 0);
   }
 
   void check_options() const {
@@ -479,7 +491,8 @@ class TcpEngine {
   };
 
   Handshake handshake(tcp::socket& s, std::uint32_t connection, Clock::time_point deadline) {
-    tcp_wire::Hello mine{.rank = static_cast<std::uint32_t>(options_.rank),
+    tcp_wire::Hello mine{.sockets = static_cast<std::uint16_t>(sockets_per_peer()),
+                         .rank = static_cast<std::uint32_t>(options_.rank),
                          .world_size = static_cast<std::uint32_t>(options_.world_size),
                          .connection = connection};
     std::random_device entropy;
@@ -493,6 +506,13 @@ class TcpEngine {
     if (!hello) return result;
     if (hello->world_size != static_cast<std::uint32_t>(options_.world_size)) {
       result.refusal = fmt::format("it belongs to a job of {} ranks, this one has {}", hello->world_size, options_.world_size);
+      return result;
+    }
+    if (hello->sockets != mine.sockets) {
+      result.refusal = fmt::format(
+          "it opens {} sockets per peer, this process {}: connections per peer and the express lane (on or off) "
+          "must be the same on every rank",
+          hello->sockets, mine.sockets);
       return result;
     }
     const auto my_proof = tcp_wire::proof(options_.token, own, theirs);
@@ -567,7 +587,7 @@ class TcpEngine {
   void connect_job(Clock::time_point deadline) {
     const int n = options_.world_size;
     const int me = options_.rank;
-    const auto connections = static_cast<std::uint32_t>(options_.connections_per_peer);
+    const auto connections = static_cast<std::uint32_t>(sockets_per_peer());
     if (n == 1) return;
 
     tcp::acceptor acceptor(io_);
@@ -735,6 +755,7 @@ TcpOptions Tcp::options_from_env() {
   };
   if (const auto listen = launch::process_environment("GRADSYNC_LISTEN_ADDR")) o.listen_addr = *listen;
   if (const auto c = number("GRADSYNC_CONNECTIONS_PER_PEER", 1, 64)) o.connections_per_peer = static_cast<int>(*c);
+  if (const auto b = number("GRADSYNC_EXPRESS_LANE_BYTES", 0, 1L << 30)) o.express_lane_bytes = static_cast<std::size_t>(*b);
   if (const auto t = number("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
   if (const auto cc = launch::process_environment("GRADSYNC_TCP_CONGESTION")) o.congestion_control = *cc;
   return o;

@@ -28,6 +28,7 @@ std::array<std::byte, hello_bytes> encode(const Hello& hello) {
   std::array<std::byte, hello_bytes> out{};
   std::memcpy(out.data(), magic.data(), magic.size());
   put<std::uint16_t>(&out[4], hello.version);
+  put<std::uint16_t>(&out[6], hello.sockets);
   put<std::uint32_t>(&out[8], hello.rank);
   put<std::uint32_t>(&out[12], hello.world_size);
   put<std::uint32_t>(&out[16], hello.connection);
@@ -46,6 +47,7 @@ std::optional<Hello> decode_hello(std::span<const std::byte, hello_bytes> bytes,
     why = fmt::format("it speaks gradsync wire version {}, this process speaks version {}", hello.version, version);
     return std::nullopt;
   }
+  hello.sockets = get<std::uint16_t>(&bytes[6]);
   hello.rank = get<std::uint32_t>(&bytes[8]);
   hello.world_size = get<std::uint32_t>(&bytes[12]);
   hello.connection = get<std::uint32_t>(&bytes[16]);

@@ -5,7 +5,10 @@
 // Setup: rank 0 listens on MASTER_PORT; every other rank connects to it, proves it holds the job
 // token, and tells rank 0 where it listens itself; rank 0 answers with every rank's address, and
 // each rank then connects to the ranks below it. Each pair gets `connections_per_peer` sockets;
-// messages to a peer take them in turn, so consecutive pieces travel side by side.
+// messages to a peer take them in turn, so consecutive pieces travel side by side. With an express
+// lane (`express_lane_bytes` > 0) each pair gets one socket more, which carries every message of at
+// most that many bytes and nothing else: a small message (a coordinator's grant, a plan) never
+// waits behind megabytes already queued in a data socket's buffers.
 //
 // Every connection starts with a versioned hello and an HMAC-SHA-256 proof of the job token in
 // both directions (the token itself never travels): a process with another token or wire version
@@ -45,6 +48,7 @@ struct TcpOptions {
   std::string token;        // the job's shared secret
   std::string listen_addr;  // address to listen on; empty: every interface
   int connections_per_peer = 1;
+  std::size_t express_lane_bytes = 0;  // messages up to this size take a socket of their own; 0: none
   std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);  // for the whole connection phase
   std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
   // TCP congestion control for this job's sockets ("cubic", "bbr", ...); empty: the system's.
@@ -72,7 +76,8 @@ class Tcp {
   explicit Tcp(const TcpOptions& options);
 
   // Options from the launcher's environment (launch/environment.hpp), plus GRADSYNC_LISTEN_ADDR,
-  // GRADSYNC_CONNECTIONS_PER_PEER, GRADSYNC_SETUP_TIMEOUT_S and GRADSYNC_TCP_CONGESTION where set.
+  // GRADSYNC_CONNECTIONS_PER_PEER, GRADSYNC_EXPRESS_LANE_BYTES, GRADSYNC_SETUP_TIMEOUT_S and
+  // GRADSYNC_TCP_CONGESTION where set.
   static TcpOptions options_from_env();
   static Tcp from_env() { return Tcp(options_from_env()); }
 

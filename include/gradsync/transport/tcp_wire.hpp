@@ -1,12 +1,13 @@
 #pragma once
-// The TCP transport's wire format, version 1. All integers are little-endian.
+// The TCP transport's wire format, version 2. All integers are little-endian.
 //
 // Connection setup, both directions, initiator first:
-//   hello  (36 bytes)  magic "GSYN" | u16 version | u16 reserved (0) | u32 rank | u32 world size
+//   hello  (36 bytes)  magic "GSYN" | u16 version | u16 sockets per peer | u32 rank | u32 world size
 //                      | u32 connection index | 16-byte random nonce
 //   proof  (32 bytes)  HMAC-SHA-256(token, "gradsync proof v1" | own hello | peer's hello)
-// A side whose peer's hello has another magic or version, or whose proof does not verify, closes
-// the connection; the peer sees the same facts and reports them itself.
+// A side whose peer's hello has another magic, version, world size or number of sockets per peer,
+// or whose proof does not verify, closes the connection; the peer sees the same facts and reports
+// them itself. (Version 2 added the socket count, where version 1 had a reserved field.)
 //
 // After setup, frames:
 //   header (24 bytes)  magic "GSYN" | u8 type | 3 bytes reserved (0) | u64 tag | u64 payload length
@@ -28,7 +29,7 @@
 namespace gradsync::transport::tcp_wire {
 
 inline constexpr std::array<std::byte, 4> magic{std::byte{'G'}, std::byte{'S'}, std::byte{'Y'}, std::byte{'N'}};
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;
 inline constexpr std::size_t hello_bytes = 36;
 inline constexpr std::size_t proof_bytes = 32;
 inline constexpr std::size_t header_bytes = 24;
@@ -37,6 +38,7 @@ inline constexpr std::size_t max_rendezvous_bytes = std::size_t{1} << 24;
 
 struct Hello {
   std::uint16_t version = tcp_wire::version;
+  std::uint16_t sockets = 1;  // per pair of ranks: data connections plus the express lane
   std::uint32_t rank = 0;
   std::uint32_t world_size = 0;
   std::uint32_t connection = 0;
