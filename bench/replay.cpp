@@ -5,7 +5,7 @@
 //
 //   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
 //          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server] [--partitions P]
-//          [--chunk-mib M]
+//          [--servers S] [--dedicated] [--chunk-mib M]
 //          [--executor task-graph|serial] [--compute-threads N] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
@@ -15,7 +15,9 @@
 // synchronization of the whole model takes (size, time, algbw and busbw are printed for it).
 //
 // Ranks come from the launcher's variables (netcluster run, gradsync-run, torchrun...), one
-// policy per run. --size-scale multiplies every tensor's element count and --time-scale every
+// policy per run; the transport's own settings (GRADSYNC_CONNECTIONS_PER_PEER,
+// GRADSYNC_EXPRESS_LANE_BYTES) too, and the output names them. With --dedicated the last
+// --servers ranks only aggregate (topology::ParameterServer); rank 0, which reports, is a worker. --size-scale multiplies every tensor's element count and --time-scale every
 // compute time, so that a model can be replayed on slow links at the compute-to-communication
 // ratio of a faster cluster: the defaults (1/8 of the bytes, 1.25x the time) put a 10 Gbit/s
 // cluster of the traced GPUs onto 1 Gbit/s links with runs short enough to repeat. --jitter X
@@ -70,6 +72,8 @@ struct Config {
   gradsync_examples::CodecSettings codec_settings;
   std::string topology = "ring";
   std::size_t partitions = 0;
+  std::size_t servers = 0;
+  bool dedicated = false;
   double chunk_mib = 1;  // the topology's pieces
   std::string executor = "task-graph";
   int compute_threads = 1;
@@ -88,6 +92,13 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
+// How many ranks' values the average covers; 0 on a rank that only aggregates.
+int contributors(const gs::topology::Ring&, int, int ranks) { return ranks; }
+int contributors(const gs::topology::ParameterServer& ps, int rank, int ranks) {
+  const gs::Group group = gs::Group::world(rank, ranks);
+  return ps.aggregates_only(group) ? 0 : ps.contributors(group);
+}
+
 template <class Bucketing, class Codec, class Topology>
 int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, gs::transport::Tcp transport,
         const Bucketing& policy, const Codec& codec, const Topology& topology) {
@@ -96,6 +107,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
                             .compute_threads = cfg.compute_threads,
                             .selective_compression = cfg.selective,
                             .coordination = cfg.coordination};
+  const std::string transport_name = transport.describe();
   gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
                                                                         policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
@@ -131,8 +143,10 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     }
     sync.wait();
     const auto end = Clock::now();
-    if (it == 0 && Codec::lossless) {  // every rank gave rank + 1 everywhere: the average is (ranks + 1) / 2
-      const float expected = static_cast<float>(ranks + 1) / 2;
+    // Every rank gave rank + 1 everywhere; the contributors are ranks 0 .. c-1 (dedicated servers
+    // come last and hold only the parts they serve), so the average is (c + 1) / 2.
+    if (it == 0 && Codec::lossless && contributors(topology, rank, ranks) > 0) {
+      const float expected = static_cast<float>(contributors(topology, rank, ranks) + 1) / 2;
       for (const auto& g : grads)
         for (float v : g)
           if (v != expected) throw std::runtime_error(fmt::format("wrong average {} (expected {})", v, expected));
@@ -165,8 +179,8 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   fmt::print("# replay {}: {} tensors, {:.1f} MB of f32 gradients, {} ranks, size x{:g}, time x{:g}, jitter {:g}{}\n",
              cfg.trace, trace.size(), static_cast<double>(bytes) / 1e6, ranks, cfg.size_scale, cfg.time_scale,
              cfg.jitter, cfg.drift_at >= 0 ? fmt::format(", drift x{:g} from iteration {}", cfg.drift_factor, cfg.drift_at) : "");
-  fmt::print("# codec {}{}, topology {}, executor {} ({} compute threads)\n", codec.describe(),
-             cfg.selective ? " (selective)" : "", topology.describe(), cfg.executor, cfg.compute_threads);
+  fmt::print("# codec {}{}, topology {}, executor {} ({} compute threads), transport {}\n", codec.describe(),
+             cfg.selective ? " (selective)" : "", topology.describe(), cfg.executor, cfg.compute_threads, transport_name);
   fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10}\n", "policy", "buckets",
              "iteration (ms)", "exposed (ms)", "plans", "wire (MB)", "algbw", "busbw", "compute", "in flight", "waiting");
   // algbw and busbw as nccl-tests defines them, for the whole model per iteration: meaningful when
@@ -186,11 +200,12 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     out.print(R"({{"trace": "{}", "policy": "{}", "ranks": {}, "bytes": {}, "size_scale": {}, "time_scale": {}, )"
               R"("jitter": {}, "drift_at": {}, "drift_factor": {}, "buckets": {}, "iteration_ms": {:.3f}, )"
               R"("exposed_ms": {:.3f}, "codec": "{}", "selective": {}, "topology": "{}", "executor": "{}", "compute_threads": {}, )"
+              R"("transport": "{}", )"
               R"("wire_bytes": {}, "coordinated": {}, "window": {}, "batch_bytes": {}, "control_kb": {:.3f}, )"
               R"("awaiting_grant_ms": {:.3f}, "plan_changes": [{}], "samples": [)",
               cfg.trace, policy_name, ranks, bytes, cfg.size_scale, cfg.time_scale, cfg.jitter, cfg.drift_at,
-              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), cfg.codec, cfg.selective, cfg.topology,
-              cfg.executor, cfg.compute_threads, last.bytes_sent, cfg.coordination.enabled, cfg.coordination.window,
+              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), cfg.codec, cfg.selective,
+              topology.describe(), cfg.executor, cfg.compute_threads, transport_name, last.bytes_sent, cfg.coordination.enabled, cfg.coordination.window,
               cfg.coordination.batch_bytes, median(control_kb), median(awaiting_grant), fmt::join(plan_changes, ", "));
     for (std::size_t i = 0; i < samples.size(); ++i)
       out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "buckets": {}}})", i ? ", " : "",
@@ -226,6 +241,8 @@ Config parse(int argc, char** argv) {
     else if (arg == "--keep") cfg.codec_settings.keep = std::stod(value());
     else if (arg == "--topology") cfg.topology = value();
     else if (arg == "--partitions") cfg.partitions = std::stoul(value());
+    else if (arg == "--servers") cfg.servers = std::stoul(value());
+    else if (arg == "--dedicated") cfg.dedicated = true;
     else if (arg == "--chunk-mib") cfg.chunk_mib = std::stod(value());
     else if (arg == "--executor") cfg.executor = value();
     else if (arg == "--compute-threads") cfg.compute_threads = std::stoi(value());
@@ -236,7 +253,7 @@ Config parse(int argc, char** argv) {
     else
       throw std::invalid_argument("unknown option " + arg +
                                   "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C --min-bucket-kib K "
-                                  "--codec NAME --threshold T --keep F --topology ring|parameter-server --partitions P --chunk-mib M "
+                                  "--codec NAME --threshold T --keep F --topology ring|parameter-server --partitions P --servers S --dedicated --chunk-mib M "
                                   "--executor task-graph|serial --compute-threads N --selective --coordinate --window W --batch-kib K "
                                   "--iters I --warmup W --size-scale S --time-scale T --jitter X --drift-at N "
                                   "--drift-factor F --spin --json PATH");
@@ -247,6 +264,8 @@ Config parse(int argc, char** argv) {
     throw std::invalid_argument("need iters, warmup >= 1, size-scale > 0, time-scale >= 0, 0 <= jitter < 1, cap-mib > 0");
   if (cfg.topology != "ring" && cfg.topology != "parameter-server")
     throw std::invalid_argument("--topology must be ring or parameter-server");
+  if ((cfg.servers > 0 || cfg.dedicated) && cfg.topology != "parameter-server")
+    throw std::invalid_argument("--servers and --dedicated need --topology parameter-server");
   if (cfg.executor != "task-graph" && cfg.executor != "serial")
     throw std::invalid_argument("--executor must be task-graph or serial");
   if (cfg.compute_threads < 1) throw std::invalid_argument("--compute-threads must be at least 1");
@@ -284,7 +303,10 @@ int main(int argc, char** argv) try {
     return gradsync_examples::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
       if (cfg.topology == "parameter-server")
         return run(cfg, trace, std::move(transport), policy, codec,
-                   gs::topology::ParameterServer{.partitions = cfg.partitions, .chunk_elements = chunk});
+                   gs::topology::ParameterServer{.partitions = cfg.partitions,
+                                                 .servers = cfg.servers,
+                                                 .dedicated = cfg.dedicated,
+                                                 .chunk_elements = chunk});
       return run(cfg, trace, std::move(transport), policy, codec, gs::topology::Ring{.chunk_elements = chunk});
     });
   });
