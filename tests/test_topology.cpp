@@ -426,6 +426,19 @@ TEST_SUITE("topology") {
     }
   }
 
+  TEST_CASE("a schedule that averages without saying over how many ranks is refused") {
+    Schedule schedule = topology::Ring{}.schedule(Group::world(0, 1), 10, {.identity = true});
+    REQUIRE(schedule.contributors == 1);
+    schedule.contributors = 0;  // as a user's topology that never sets it
+    try {
+      engine::BucketExchange<compression::None, transport::InProcess> exchange(schedule, {}, DType::f32);
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::invalid_argument);
+      CHECK(std::string(e.what()).find("Schedule::contributors") != std::string::npos);
+    }
+  }
+
   TEST_CASE("dedicated parameter servers: placement, roles, and placements that cannot work") {
     const topology::ParameterServer ps{.partitions = 5, .servers = 2, .dedicated = true};
     for (int rank = 0; rank < 5; ++rank) {

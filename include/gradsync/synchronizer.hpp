@@ -137,7 +137,8 @@ class Synchronizer {
     }
   }
 
-  // Blocks until every gradient holds the average over all ranks, then readies the next
+  // Blocks until every gradient holds the average over the contributing ranks (all of them, unless
+  // the topology has dedicated servers), then readies the next
   // iteration. Throws the Error that stopped synchronization, on this rank or another.
   void wait() {
     freeze();

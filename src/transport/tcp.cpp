@@ -109,8 +109,8 @@ class TcpEngine {
     if (peer == options_.rank) return post_to_self(r);
     if (is_send) {
       const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
-      Connection& c = size <= options_.express_lane_bytes ? *p.connections.back()  // the express lane
-                                                          : *p.connections[p.next_connection++ % data_sockets];
+      const bool express = options_.express_lane_bytes > 0 && size <= options_.express_lane_bytes;
+      Connection& c = express ? *p.connections.back() : *p.connections[p.next_connection++ % data_sockets];
       c.queue.push(&r);
       if (!c.writing) {
         c.writing = true;

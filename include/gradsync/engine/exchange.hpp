@@ -107,8 +107,10 @@ class BucketExchange {
     scratch_ = detail::AlignedBuffer(total);
     for (const Step& step : schedule_.steps)
       if (step.op == Step::Op::average && schedule_.contributors < 1)
-        throw Error(ErrorKind::internal, {.operation = "schedule"},
-                    fmt::format("the schedule averages over {} contributors", schedule_.contributors));
+        throw Error(ErrorKind::invalid_argument, {.operation = "schedule"},
+                    fmt::format("the topology's schedule averages over {} contributors: a topology must set "
+                                "Schedule::contributors to the number of ranks whose values the average covers",
+                                schedule_.contributors));
     states_.reserve(schedule_.steps.size());
     for (const Step& step : schedule_.steps)
       states_.push_back(codec.make_state(step.op == Step::Op::encode ? step.range.size() : 0, dtype));
