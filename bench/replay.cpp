@@ -184,11 +184,13 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10}\n", "policy", "buckets",
              "iteration (ms)", "exposed (ms)", "plans", "wire (MB)", "algbw", "busbw", "compute", "in flight", "waiting");
   // algbw and busbw as nccl-tests defines them, for the whole model per iteration: meaningful when
-  // --time-scale 0 makes the iteration one synchronization.
+  // --time-scale 0 makes the iteration one synchronization. The allreduce is among the workers
+  // (rank 0 is one): dedicated servers do not count in busbw's 2(n-1)/n.
   const double algbw = static_cast<double>(bytes) / (median(times) * 1e6);
+  const int workers = contributors(topology, 0, ranks);
   fmt::print("  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>10.1f} {:>10.1f} {:>10.1f}\n",
              policy_name, samples.back().buckets, median(times), median(exposed), plans,
-             static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (ranks - 1) / std::max(1, ranks),
+             static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (workers - 1) / std::max(1, workers),
              median(compute), median(in_flight), median(waiting));
   fmt::print("# plan changed after iterations: {}\n", fmt::join(plan_changes, ", "));
   if (cfg.coordination.enabled)
