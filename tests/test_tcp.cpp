@@ -161,6 +161,50 @@ TEST_SUITE("tcp") {
     }
   }
 
+  TEST_CASE("dedicated parameter servers over TCP: the workers get their exact average") {
+    // Whole-number inputs make every partial sum exact, so the expected bits do not depend on the
+    // order the servers add in; the division by the worker count rounds the same way everywhere.
+    // Coordinated sends and the express lane on, as a deployment with servers might run.
+    const std::vector<std::size_t> sizes{1, 13, 70001};
+    for (const auto& [n, servers] : {std::pair{3, 1}, std::pair{4, 2}}) {
+      CAPTURE(n);
+      CAPTURE(servers);
+      const int workers = n - servers;
+      const std::uint16_t port = test::free_port();
+      const auto results = test::run_processes(n, [&](int rank) -> std::string {
+        TcpOptions o = options(rank, n, port);
+        o.express_lane_bytes = 4096;
+        const topology::ParameterServer ps{
+            .partitions = 5, .servers = static_cast<std::size_t>(servers), .dedicated = true, .chunk_elements = 4096};
+        Synchronizer<bucketing::PerTensor, compression::None, topology::ParameterServer, Tcp> sync(
+            Tcp(o), {.timeout = 30s, .coordination = {.enabled = true}}, {}, {}, ps);
+        std::vector<std::vector<float>> grads;
+        for (std::size_t s : sizes) grads.emplace_back(s);
+        for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
+        const auto input = [](int r, std::size_t g, std::size_t e, int iteration) {
+          return static_cast<float>((static_cast<std::size_t>(r) * 7 + g * 3 + e + static_cast<std::size_t>(iteration)) % 101);
+        };
+        for (int iteration = 0; iteration < 3; ++iteration) {
+          for (std::size_t g = 0; g < sizes.size(); ++g)
+            for (std::size_t e = 0; e < sizes[g]; ++e) grads[g][e] = input(rank, g, e, iteration);
+          for (std::size_t g = sizes.size(); g-- > 0;) sync.ready(static_cast<GradId>(g));
+          sync.wait();
+          if (ps.aggregates_only(Group::world(rank, n))) continue;
+          for (std::size_t g = 0; g < sizes.size(); ++g)
+            for (std::size_t e = 0; e < sizes[g]; ++e) {
+              float sum = 0;
+              for (int w = 0; w < workers; ++w) sum += input(w, g, e, iteration);
+              if (grads[g][e] != sum / static_cast<float>(workers))
+                return fmt::format("gradient {} element {} is {}, expected {} in iteration {}", g, e, grads[g][e],
+                                   sum / static_cast<float>(workers), iteration);
+            }
+        }
+        return "ok";
+      });
+      for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+    }
+  }
+
   TEST_CASE("a peer killed mid-allreduce makes the others fail fast, naming it") {
     const std::pair<Executor, bool> variants[] = {{Executor::task_graph, false}, {Executor::serial, false},
                                                   {Executor::task_graph, true}};  // (executor, coordinated)
