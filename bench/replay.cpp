@@ -45,6 +45,7 @@
 
 #include "codec_by_name.hpp"
 #include "connect.hpp"
+#include "workers.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "trace.hpp"
@@ -92,13 +93,6 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
-// How many ranks' values the average covers; 0 on a rank that only aggregates.
-int contributors(const gs::topology::Ring&, int, int ranks) { return ranks; }
-int contributors(const gs::topology::ParameterServer& ps, int rank, int ranks) {
-  const gs::Group group = gs::Group::world(rank, ranks);
-  return ps.aggregates_only(group) ? 0 : ps.contributors(group);
-}
-
 template <class Bucketing, class Codec, class Topology>
 int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, gs::transport::Tcp transport,
         const Bucketing& policy, const Codec& codec, const Topology& topology) {
@@ -111,6 +105,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
                                                                         policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
+  const int workers = gradsync_examples::workers(topology, ranks);
   std::vector<std::vector<float>> grads;
   std::size_t bytes = 0;
   for (const auto& e : trace) {
@@ -143,10 +138,10 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     }
     sync.wait();
     const auto end = Clock::now();
-    // Every rank gave rank + 1 everywhere; the contributors are ranks 0 .. c-1 (dedicated servers
-    // come last and hold only the parts they serve), so the average is (c + 1) / 2.
-    if (it == 0 && Codec::lossless && contributors(topology, rank, ranks) > 0) {
-      const float expected = static_cast<float>(contributors(topology, rank, ranks) + 1) / 2;
+    // Every rank gave rank + 1 everywhere; the workers are ranks 0 .. w-1 (dedicated servers come
+    // last and hold only the parts they serve), so the average is (w + 1) / 2.
+    if (it == 0 && Codec::lossless && rank < workers) {
+      const float expected = static_cast<float>(workers + 1) / 2;
       for (const auto& g : grads)
         for (float v : g)
           if (v != expected) throw std::runtime_error(fmt::format("wrong average {} (expected {})", v, expected));
@@ -187,7 +182,6 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   // --time-scale 0 makes the iteration one synchronization. The allreduce is among the workers
   // (rank 0 is one): dedicated servers do not count in busbw's 2(n-1)/n.
   const double algbw = static_cast<double>(bytes) / (median(times) * 1e6);
-  const int workers = contributors(topology, 0, ranks);
   fmt::print("  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>10.1f} {:>10.1f} {:>10.1f}\n",
              policy_name, samples.back().buckets, median(times), median(exposed), plans,
              static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (workers - 1) / std::max(1, workers),

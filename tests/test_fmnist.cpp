@@ -145,6 +145,34 @@ TEST_SUITE("fmnist") {
     }
   }
 
+  TEST_CASE("2 workers and a dedicated server with batch 16 take the same steps as 1 rank with batch 32") {
+    using PsSync = Synchronizer<bucketing::FixedSize, compression::None, topology::ParameterServer, transport::InProcess>;
+    const fmnist::Dataset data = synthetic(640, 5);
+    fmnist::TrainConfig cfg{.epochs = 1, .batch = 16, .learning_rate = 0.05f, .seed = 3, .max_steps = 6, .workers = 2};
+    std::vector<fmnist::Mlp> models(3, fmnist::Mlp({64, 32, 10}, 11));
+    const auto errors = test::run_ranks(3, [&](transport::InProcess& t) {
+      const int r = t.rank();
+      PsSync sync(std::move(t), {}, {}, {}, {.servers = 1, .dedicated = true});
+      fmnist::train(sync, models[static_cast<std::size_t>(r)], data, nullptr, cfg);
+    });
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    fmnist::Mlp alone({64, 32, 10}, 11);
+    auto world = transport::InProcess::create_world(1);
+    Sync sync(std::move(world[0]));
+    cfg.batch = 32;
+    cfg.workers = 0;
+    fmnist::train(sync, alone, data, nullptr, cfg);
+    const fmnist::Mlp untrained({64, 32, 10}, 11);
+    for (std::size_t l = 0; l < alone.layers().size(); ++l) {
+      const auto& a = alone.layers()[l].w;
+      const auto& b = models[0].layers()[l].w;
+      CHECK(models[1].layers()[l].w == b);
+      CHECK(models[2].layers()[l].w == untrained.layers()[l].w);  // the server does not train
+      for (std::size_t k = 0; k < a.size(); ++k) REQUIRE(std::fabs(a[k] - b[k]) <= 1e-5f + 1e-4f * std::fabs(a[k]));
+      CHECK(b != untrained.layers()[l].w);
+    }
+  }
+
   TEST_CASE("a short run on 2 ranks learns: the loss falls well below its start") {
     const fmnist::Dataset data = synthetic(800, 8);
     std::vector<double> first(2), last(2);

@@ -3,9 +3,11 @@
 //   gradsync-run -n 4 fmnist [--epochs E] [--batch B] [--lr R] [--momentum M]
 //                            [--bucketing fixed-size|per-tensor|time-clustered] [--codec NAME] [--threshold T]
 //                            [--keep F] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]
+//                            [--topology ring|parameter-server] [--servers S] [--dedicated]
 //
 // One process per rank over TCP, placed by the launcher's variables; run without a launcher it
-// trains alone. Rank 0 prints progress, the test accuracy and the communication figures.
+// trains alone. Rank 0 prints progress, the test accuracy and the communication figures. With
+// --dedicated the last --servers ranks are parameter servers that only aggregate; the others train.
 
 #include <unistd.h>
 
@@ -22,6 +24,7 @@
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "trainer.hpp"
+#include "workers.hpp"
 
 namespace {
 
@@ -37,12 +40,15 @@ struct Options {
   std::vector<std::size_t> hidden{256, 128};
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::string json;
+  std::string topology = "ring";
+  std::size_t servers = 0;
+  bool dedicated = false;
 };
 
 constexpr const char* usage =
     "usage: fmnist [--epochs E] [--batch B] [--lr R] [--momentum M] [--bucketing fixed-size|per-tensor|time-clustered]\n"
     "              [--codec NAME] [--threshold T] [--keep F] [--hidden 256,128] [--steps S] [--data DIR]\n"
-    "              [--json PATH] [--seed N]\n"
+    "              [--json PATH] [--seed N] [--topology ring|parameter-server] [--servers S] [--dedicated]\n"
     "Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.\n"
     "--threshold: two-bit's (default 0.1); --keep: the fraction top-k and random-k keep (default 0.01).\n"
     "Codecs: ";
@@ -67,6 +73,9 @@ Options parse(int argc, char** argv) {
     else if (arg == "--keep") o.codec_settings.keep = std::stod(value());
     else if (arg == "--data") o.data = value();
     else if (arg == "--json") o.json = value();
+    else if (arg == "--topology") o.topology = value();
+    else if (arg == "--servers") o.servers = std::stoul(value());
+    else if (arg == "--dedicated") o.dedicated = true;
     else if (arg == "--hidden") {
       o.hidden.clear();
       std::stringstream list(value());
@@ -82,6 +91,10 @@ Options parse(int argc, char** argv) {
     throw std::invalid_argument("--epochs and --batch must be positive and --hidden must list at least one layer");
   if (o.bucketing != "fixed-size" && o.bucketing != "per-tensor" && o.bucketing != "time-clustered")
     throw std::invalid_argument("--bucketing must be fixed-size, per-tensor or time-clustered");
+  if (o.topology != "ring" && o.topology != "parameter-server")
+    throw std::invalid_argument("--topology must be ring or parameter-server");
+  if ((o.servers > 0 || o.dedicated) && o.topology != "parameter-server")
+    throw std::invalid_argument("--servers and --dedicated need --topology parameter-server");
   return o;
 }
 
@@ -102,11 +115,13 @@ fmnist::Progress progress_printer() {
   };
 }
 
-template <class Bucketing, class Codec>
-int run(const Options& o, gs::transport::Tcp transport, const Codec& codec) {
-  using Sync = gs::Synchronizer<Bucketing, Codec, gs::topology::Ring, gs::transport::Tcp>;
-  Sync sync(std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec);
+template <class Bucketing, class Codec, class Topology>
+int run(const Options& o, gs::transport::Tcp transport, const Codec& codec, const Topology& topology) {
+  using Sync = gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp>;
+  Sync sync(std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec, topology);
   const bool leader = sync.rank() == 0;
+  fmnist::TrainConfig train = o.train;
+  train.workers = static_cast<std::size_t>(gradsync_examples::workers(topology, sync.size()));
   const fmnist::Dataset train_set = fmnist::load_split(o.data, true);
   const fmnist::Dataset test_set = fmnist::load_split(o.data, false);
   std::vector<std::size_t> sizes{train_set.pixels};
@@ -115,11 +130,15 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec) {
   fmnist::Mlp model(sizes, o.train.seed);
   const std::size_t gradient_bytes = model.parameters() * sizeof(float);
   if (leader)
-    fmt::print("fmnist: {} ranks x batch {} | MLP {} ({} parameters, {:.2f} MB of f32 gradients a step) | "
-               "bucketing {} | codec {} | lr {} momentum {}\n",
-               sync.size(), o.train.batch, fmt::join(sizes, "-"), model.parameters(), gradient_bytes / 1e6,
-               o.bucketing, codec.describe(), o.train.learning_rate, o.train.momentum);
-  const auto reports = fmnist::train(sync, model, train_set, leader ? &test_set : nullptr, o.train,
+    fmt::print("fmnist: {} workers x batch {}{} | MLP {} ({} parameters, {:.2f} MB of f32 gradients a step) | "
+               "bucketing {} | codec {} | {} | lr {} momentum {}\n",
+               train.workers, o.train.batch,
+               train.workers < static_cast<std::size_t>(sync.size())
+                   ? fmt::format(" + {} dedicated server(s)", static_cast<std::size_t>(sync.size()) - train.workers)
+                   : "",
+               fmt::join(sizes, "-"), model.parameters(), gradient_bytes / 1e6, o.bucketing, codec.describe(),
+               topology.describe(), o.train.learning_rate, o.train.momentum);
+  const auto reports = fmnist::train(sync, model, train_set, leader ? &test_set : nullptr, train,
                                      leader ? progress_printer() : fmnist::Progress{});
   if (!leader) return 0;
   double seconds = 0, exposed = 0;
@@ -138,14 +157,14 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec) {
   const auto& last = reports.back();
   fmt::print("done: {} ranks, {} epochs, test accuracy {:.4f}, {:.0f} samples/s, {:.0f}% of step time waiting on "
              "synchronization\n",
-             sync.size(), reports.size(), last.test_accuracy, static_cast<double>(steps * o.train.batch * sync.size()) / seconds,
+             sync.size(), reports.size(), last.test_accuracy, static_cast<double>(steps * o.train.batch * train.workers) / seconds,
              100 * exposed / seconds);
   if (!o.json.empty()) {
     auto out = fmt::output_file(o.json);
-    out.print(R"({{"ranks": {}, "batch_per_rank": {}, "layers": [{}], "parameters": {}, "bucketing": "{}", )"
-              R"("codec": "{}", "learning_rate": {}, "momentum": {}, "epochs": [)",
-              sync.size(), o.train.batch, fmt::join(sizes, ", "), model.parameters(), o.bucketing,
-              codec.describe(), o.train.learning_rate, o.train.momentum);
+    out.print(R"({{"ranks": {}, "workers": {}, "batch_per_rank": {}, "layers": [{}], "parameters": {}, )"
+              R"("bucketing": "{}", "codec": "{}", "topology": "{}", "learning_rate": {}, "momentum": {}, "epochs": [)",
+              sync.size(), train.workers, o.train.batch, fmt::join(sizes, ", "), model.parameters(), o.bucketing,
+              codec.describe(), topology.describe(), o.train.learning_rate, o.train.momentum);
     for (std::size_t i = 0; i < reports.size(); ++i) {
       const auto& r = reports[i];
       out.print(R"({}{{"epoch": {}, "steps": {}, "seconds": {:.3f}, "samples_per_second": {:.1f}, "loss": {:.5f}, )"
@@ -165,7 +184,10 @@ int with_codec(const Options& o) {
   settings.seed = o.train.seed;
   settings.rank = transport.rank();
   return gradsync_examples::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
-    return run<Bucketing>(o, std::move(transport), codec);
+    if (o.topology == "parameter-server")
+      return run<Bucketing>(o, std::move(transport), codec,
+                            gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated});
+    return run<Bucketing>(o, std::move(transport), codec, gs::topology::Ring{});
   });
 }
 

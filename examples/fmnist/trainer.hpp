@@ -1,8 +1,10 @@
 #pragma once
-// The data-parallel training loop: every rank walks the same shuffled order of the training set;
-// each global batch of ranks x batch samples is cut into one shard per rank. Gradients go to the
-// Synchronizer layer by layer as backward produces them, so the last layers' averaging overlaps
-// with the first layers' backward; wait() returns the average and every rank takes the same step.
+// The data-parallel training loop: every worker walks the same shuffled order of the training
+// set; each global batch of workers x batch samples is cut into one shard per worker. Gradients go
+// to the Synchronizer layer by layer as backward produces them, so the last layers' averaging
+// overlaps with the first layers' backward; wait() returns the average and every worker takes the
+// same step. Ranks past the workers are dedicated parameter servers: they train nothing and only
+// take part in each synchronization.
 
 #include <algorithm>
 #include <chrono>
@@ -28,6 +30,7 @@ struct TrainConfig {
   float momentum = 0.5f;
   std::uint64_t seed = 1;
   std::size_t max_steps = 0;  // per epoch; 0: the whole training set
+  std::size_t workers = 0;    // ranks that train, the first ones; 0: every rank
 };
 
 struct EpochReport {
@@ -35,7 +38,7 @@ struct EpochReport {
   std::size_t steps = 0;
   double seconds = 0;
   double samples_per_second = 0;  // global: every rank's samples
-  double loss = 0;                // mean over the epoch of this rank's batch losses
+  double loss = 0;                // mean over the epoch of this rank's batch losses (0 on a server)
   double test_accuracy = -1;      // -1 where not evaluated
   double exposed_seconds = 0;     // time wait() blocked: communication backward did not hide
   std::uint64_t bytes_sent = 0;   // by this rank
@@ -55,9 +58,10 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
     ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", gradsync::view(L.gw)),
                      sync.add("fc" + std::to_string(l + 1) + ".bias", gradsync::view(L.gb)));
   }
-  const auto ranks = static_cast<std::size_t>(sync.size());
+  const std::size_t workers = cfg.workers ? cfg.workers : static_cast<std::size_t>(sync.size());
   const auto rank = static_cast<std::size_t>(sync.rank());
-  const std::size_t global = cfg.batch * ranks;
+  const bool server = rank >= workers;
+  const std::size_t global = cfg.batch * workers;
   std::size_t steps = data.count / global;
   if (cfg.max_steps) steps = std::min(steps, cfg.max_steps);
   std::vector<std::size_t> order(data.count);
@@ -72,6 +76,15 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
     double loss_sum = 0;
     const auto start = std::chrono::steady_clock::now();
     for (std::size_t step = 0; step < steps; ++step) {
+      if (server) {  // its part of every synchronization, in backward's order
+        for (std::size_t l = ids.size(); l-- > 0;) {
+          sync.ready(ids[l].first);
+          sync.ready(ids[l].second);
+        }
+        sync.wait();
+        report.bytes_sent += sync.last_iteration().bytes_sent;
+        continue;
+      }
       for (std::size_t s = 0; s < cfg.batch; ++s) {
         const std::size_t sample = order[step * global + rank * cfg.batch + s];
         std::copy_n(data.images.begin() + static_cast<std::ptrdiff_t>(sample * data.pixels), data.pixels,
