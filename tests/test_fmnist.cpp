@@ -82,6 +82,39 @@ fmnist::Dataset synthetic(std::size_t count, std::uint64_t seed) {
 
 using Sync = Synchronizer<bucketing::FixedSize, compression::None, topology::Ring, transport::InProcess>;
 
+// Workers with batch 32 / workers each take the same steps as one rank with batch 32; dedicated
+// servers (the ranks past the workers) do not train.
+template <class S>
+void same_steps_as_one_rank(int ranks, std::size_t workers, typename S::Topology topology) {
+  const fmnist::Dataset data = synthetic(640, 5);
+  fmnist::TrainConfig cfg{
+      .epochs = 1, .batch = 32 / workers, .learning_rate = 0.05f, .seed = 3, .max_steps = 6, .workers = workers};
+  std::vector<fmnist::Mlp> models(static_cast<std::size_t>(ranks), fmnist::Mlp({64, 32, 10}, 11));
+  const auto errors = test::run_ranks(ranks, [&](transport::InProcess& t) {
+    const int r = t.rank();
+    S sync(std::move(t), {}, {}, {}, topology);
+    fmnist::train(sync, models[static_cast<std::size_t>(r)], data, nullptr, cfg);
+  });
+  for (const auto& e : errors) REQUIRE_FALSE(e);
+  fmnist::Mlp alone({64, 32, 10}, 11);
+  auto world = transport::InProcess::create_world(1);
+  Sync sync(std::move(world[0]));
+  cfg.batch = 32;
+  cfg.workers = 0;
+  fmnist::train(sync, alone, data, nullptr, cfg);
+  // Workers agree bit for bit; against one rank, only the order of the float sums differs
+  // (mean of per-worker means vs one mean): |a - b| <= 1e-5 + 1e-4 |b| after 6 steps.
+  const fmnist::Mlp untrained({64, 32, 10}, 11);
+  for (std::size_t l = 0; l < alone.layers().size(); ++l) {
+    const auto& a = alone.layers()[l].w;
+    const auto& b = models[0].layers()[l].w;
+    for (std::size_t r = 1; r < models.size(); ++r)
+      CHECK(models[r].layers()[l].w == (r < workers ? b : untrained.layers()[l].w));
+    for (std::size_t k = 0; k < a.size(); ++k) REQUIRE(std::fabs(a[k] - b[k]) <= 1e-5f + 1e-4f * std::fabs(a[k]));
+    CHECK(b != untrained.layers()[l].w);  // the steps really moved the weights
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("fmnist") {
@@ -119,58 +152,12 @@ TEST_SUITE("fmnist") {
   }
 
   TEST_CASE("4 ranks with batch 8 take the same steps as 1 rank with batch 32") {
-    const fmnist::Dataset data = synthetic(640, 5);
-    fmnist::TrainConfig cfg{.epochs = 1, .batch = 8, .learning_rate = 0.05f, .seed = 3, .max_steps = 6};
-    std::vector<fmnist::Mlp> models(4, fmnist::Mlp({64, 32, 10}, 11));
-    const auto errors = test::run_ranks(4, [&](transport::InProcess& t) {
-      const int r = t.rank();
-      Sync sync(std::move(t));
-      fmnist::train(sync, models[static_cast<std::size_t>(r)], data, nullptr, cfg);
-    });
-    for (const auto& e : errors) REQUIRE_FALSE(e);
-    fmnist::Mlp alone({64, 32, 10}, 11);
-    auto world = transport::InProcess::create_world(1);
-    Sync sync(std::move(world[0]));
-    cfg.batch = 32;
-    fmnist::train(sync, alone, data, nullptr, cfg);
-    // Ranks agree bit for bit; against one rank, only the order of the float sums differs
-    // (mean of per-rank means vs one mean): |a - b| <= 1e-5 + 1e-4 |b| after 6 steps.
-    const fmnist::Mlp untrained({64, 32, 10}, 11);
-    for (std::size_t l = 0; l < alone.layers().size(); ++l) {
-      const auto& a = alone.layers()[l].w;
-      const auto& b = models[0].layers()[l].w;
-      for (int r = 1; r < 4; ++r) CHECK(models[static_cast<std::size_t>(r)].layers()[l].w == b);
-      for (std::size_t k = 0; k < a.size(); ++k) REQUIRE(std::fabs(a[k] - b[k]) <= 1e-5f + 1e-4f * std::fabs(a[k]));
-      CHECK(b != untrained.layers()[l].w);  // the steps really moved the weights
-    }
+    same_steps_as_one_rank<Sync>(4, 4, {});
   }
 
   TEST_CASE("2 workers and a dedicated server with batch 16 take the same steps as 1 rank with batch 32") {
     using PsSync = Synchronizer<bucketing::FixedSize, compression::None, topology::ParameterServer, transport::InProcess>;
-    const fmnist::Dataset data = synthetic(640, 5);
-    fmnist::TrainConfig cfg{.epochs = 1, .batch = 16, .learning_rate = 0.05f, .seed = 3, .max_steps = 6, .workers = 2};
-    std::vector<fmnist::Mlp> models(3, fmnist::Mlp({64, 32, 10}, 11));
-    const auto errors = test::run_ranks(3, [&](transport::InProcess& t) {
-      const int r = t.rank();
-      PsSync sync(std::move(t), {}, {}, {}, {.servers = 1, .dedicated = true});
-      fmnist::train(sync, models[static_cast<std::size_t>(r)], data, nullptr, cfg);
-    });
-    for (const auto& e : errors) REQUIRE_FALSE(e);
-    fmnist::Mlp alone({64, 32, 10}, 11);
-    auto world = transport::InProcess::create_world(1);
-    Sync sync(std::move(world[0]));
-    cfg.batch = 32;
-    cfg.workers = 0;
-    fmnist::train(sync, alone, data, nullptr, cfg);
-    const fmnist::Mlp untrained({64, 32, 10}, 11);
-    for (std::size_t l = 0; l < alone.layers().size(); ++l) {
-      const auto& a = alone.layers()[l].w;
-      const auto& b = models[0].layers()[l].w;
-      CHECK(models[1].layers()[l].w == b);
-      CHECK(models[2].layers()[l].w == untrained.layers()[l].w);  // the server does not train
-      for (std::size_t k = 0; k < a.size(); ++k) REQUIRE(std::fabs(a[k] - b[k]) <= 1e-5f + 1e-4f * std::fabs(a[k]));
-      CHECK(b != untrained.layers()[l].w);
-    }
+    same_steps_as_one_rank<PsSync>(3, 2, {.servers = 1, .dedicated = true});
   }
 
   TEST_CASE("a short run on 2 ranks learns: the loss falls well below its start") {
