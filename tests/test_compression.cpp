@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -347,6 +348,61 @@ TEST_SUITE("compression") {
     // residual is its rounding of the whole p, up to the run's largest magnitude, hence more room.
     CHECK(worst_residual < (std::is_same_v<C, compression::TernGrad<>> ? 3.0f : 1.5f));
     CHECK(worst_residual > 0.0f);
+  }
+
+  // C with every member but encode_keeping_error, so that ErrorFeedback takes its generic steps.
+  template <class C>
+  struct GenericSteps {
+    C codec;
+    using State = typename C::State;
+    static constexpr bool identity = C::identity;
+    static constexpr bool lossless = C::lossless;
+    static constexpr bool summable = C::summable;
+    std::string describe() const { return codec.describe(); }
+    State make_state(std::size_t n, DType dtype) const { return codec.make_state(n, dtype); }
+    std::size_t max_encoded_bytes(std::size_t n, DType dtype) const { return codec.max_encoded_bytes(n, dtype); }
+    template <class T>
+    std::size_t encode(std::span<const T> values, State& state, std::span<std::byte> out) const {
+      return codec.encode(values, state, out);
+    }
+    template <class T>
+    void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
+      codec.decode(in, out, mode);
+    }
+  };
+
+  template <class T, class C>
+  void check_keeping_error_matches_generic_steps() {
+    static_assert(requires(const C c, typename C::State s, std::span<const T> in, std::span<T> residual,
+                           std::span<std::byte> out) { c.encode_keeping_error(in, residual, s, out); });
+    const compression::ErrorFeedback<C> fused{};
+    const compression::ErrorFeedback<GenericSteps<C>> generic{};
+    for (std::size_t n : {1u, 17u, 1000u, 4099u}) {
+      CAPTURE(n);
+      auto fused_state = fused.make_state(n, dtype_of<T>());
+      auto generic_state = generic.make_state(n, dtype_of<T>());
+      std::vector<std::byte> fused_out(fused.max_encoded_bytes(n, dtype_of<T>()));
+      std::vector<std::byte> generic_out(fused_out.size());
+      for (unsigned step = 0; step < 5; ++step) {  // the residual carries over
+        const auto values = test::random_values(n, 31u * n + step);  // magnitudes on both sides of 0.5
+        const std::vector<T> g(values.begin(), values.end());
+        const std::size_t fused_bytes = fused.encode(std::span<const T>(g), fused_state, fused_out);
+        const std::size_t generic_bytes = generic.encode(std::span<const T>(g), generic_state, generic_out);
+        REQUIRE(fused_bytes == generic_bytes);
+        REQUIRE(std::memcmp(fused_out.data(), generic_out.data(), fused_bytes) == 0);
+        const auto residual = [](const auto& state) -> const std::vector<T>& {
+          if constexpr (std::is_same_v<T, double>) return state.residual_f64;
+          else return state.residual_f32;
+        };
+        REQUIRE(std::memcmp(residual(fused_state).data(), residual(generic_state).data(), n * sizeof(T)) == 0);
+      }
+    }
+  }
+
+  TEST_CASE_TEMPLATE("error feedback: a codec's encode_keeping_error leaves the bits of the generic steps", C,
+                     compression::TwoBit, compression::OneBit, compression::TopK, compression::RandomK) {
+    check_keeping_error_matches_generic_steps<float, C>();
+    check_keeping_error_matches_generic_steps<double, C>();
   }
 
   TEST_CASE_TEMPLATE("ring allreduce with lossy codecs leaves every rank the same bits", C, compression::TwoBit,

@@ -73,6 +73,10 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
 //   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
 //                             out.size() values are an Error (protocol), never a crash.
+//   Optional: encode_keeping_error(values, residual, state, out)
+//                             encodes p = residual + values and leaves p - decode(encoding) in
+//                             residual, bit for bit what ErrorFeedback<C>'s own steps leave, in
+//                             fewer passes; ErrorFeedback<C> uses it when C has it.
 template <class C>
 concept CompressionPolicy = std::copyable<C> &&
     requires(const C& c, typename C::State& state, std::size_t n, DType dtype, std::span<const float> f32_in,

@@ -5,7 +5,9 @@
 // lets 1- and 2-bit codecs train to the same accuracy as f32.
 //
 // The residual lives in the per-site State, sized when the plan is made. The encoded format is
-// C's own.
+// C's own. A codec that can code p and update e in fewer passes than these five (add, encode,
+// negate, decode, negate) offers encode_keeping_error (see CompressionPolicy), which must leave
+// the same bits.
 
 #include <span>
 #include <string>
@@ -51,6 +53,8 @@ struct ErrorFeedback {
     if (residual.size() != values.size())
       throw Error(ErrorKind::invalid_argument, {.operation = "encode"},
                   fmt::format("error feedback state holds {} values, asked to encode {}", residual.size(), values.size()));
+    if constexpr (requires { codec.encode_keeping_error(values, std::span<T>(residual), state.inner, out); })
+      return codec.encode_keeping_error(values, std::span<T>(residual), state.inner, out);
     for (std::size_t i = 0; i < values.size(); ++i) residual[i] += values[i];  // p = g + e
     const std::size_t bytes = codec.encode(std::span<const T>(residual), state.inner, out);
     // e = p - D(C(p)), computed in place as -(-p + D(C(p))).

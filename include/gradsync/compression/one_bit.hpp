@@ -28,19 +28,36 @@ struct OneBit {
 
   template <class T>
   std::size_t encode(std::span<const T> values, State&, std::span<std::byte> out) const {
-    const double magnitude = quantize::magnitude_sum(values.data(), values.size());
-    const float scale = values.empty() ? 0.0f : static_cast<float>(magnitude / static_cast<double>(values.size()));
-    return Packed<1>::encode(CodecId::one_bit, "one-bit", values, {scale}, out,
-                             [](float v, std::size_t) { return quantize::sign_bit(v); });
+    return Packed<1>::encode(CodecId::one_bit, "one-bit", values, {scale_of(values)}, out, code);
+  }
+
+  // For ErrorFeedback: encodes values + residual and leaves what it cut off in residual. The scale
+  // needs every p first, so three passes (add, sum, code) instead of six.
+  template <class T>
+  std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, State&,
+                                   std::span<std::byte> out) const {
+    for (std::size_t i = 0; i < residual.size(); ++i) residual[i] += values[i];
+    return Packed<1>::encode_keeping_error(
+        CodecId::one_bit, "one-bit", residual, [&](std::size_t i) { return residual[i]; },
+        {scale_of(std::span<const T>(residual))}, out, code, decoder);
   }
 
   template <class T>
   void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
-    Packed<1>::decode(CodecId::one_bit, "one-bit", in, out, mode,
-                      [](const auto& p) {
-      return [scale = p[0]](std::uint32_t bit) { return quantize::sign_value(bit, scale); };
-    });
+    Packed<1>::decode(CodecId::one_bit, "one-bit", in, out, mode, decoder);
   }
+
+ private:
+  template <class T>
+  static float scale_of(std::span<const T> values) {
+    if (values.empty()) return 0.0f;
+    return static_cast<float>(quantize::magnitude_sum(values.data(), values.size()) /
+                              static_cast<double>(values.size()));
+  }
+  static constexpr auto code = [](float v, std::size_t) { return quantize::sign_bit(v); };
+  static constexpr auto decoder = [](const Packed<1>::Parameters& p) {
+    return [scale = p[0]](std::uint32_t bit) { return quantize::sign_value(bit, scale); };
+  };
 };
 
 static_assert(CompressionPolicy<OneBit>);

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <span>
 #include <string_view>
+#include <type_traits>
 
 #include "gradsync/compression/checks.hpp"
 #include "gradsync/concepts.hpp"
@@ -42,6 +43,45 @@ struct Packed : PackedCodes<Bits> {
       word[w] = packed;
     }
     if (full * per_word < n) word[full] = pack_word(values.data(), n, full, code);
+    return bytes(n);
+  }
+
+  // encode() fused with ErrorFeedback's bookkeeping (see error_feedback.hpp), one pass over the
+  // values: codes p_i = load(i) and leaves -(value(code) - p_i) in residual[i], the bits of
+  // ErrorFeedback's decode into -p and negation (p - value would give +0 where they give -0).
+  // value = decoder(parameters), as in decode().
+  template <class T, class Load, class Code, class Decoder>
+  static std::size_t encode_keeping_error(CodecId id, std::string_view codec, std::span<T> residual, Load load,
+                                          const Parameters& parameters, std::span<std::byte> out, Code code,
+                                          Decoder decoder) {
+    const std::size_t n = residual.size();
+    check_capacity(codec, bytes(n), out.size());
+    write_header(out, id, n);
+    std::memcpy(out.data() + header_bytes, parameters.data(), 4 * Params);
+    auto* word = reinterpret_cast<std::uint32_t*>(out.data() + header_bytes + 4 * Params);
+    const auto value = decoder(parameters);
+    // A block at a time, in two loops: codes and residuals (which vectorize), then packing from
+    // codes still in L1. One loop doing all of it per word stayed scalar: 4.1 GB/s against 6.1.
+    static_assert(Bits <= 8, "codes are kept a byte each");
+    constexpr std::size_t block = 16 * per_word;
+    std::uint8_t codes[block];
+    const auto code_block = [&](std::size_t first, auto count) {  // count: compile-time for whole blocks
+      for (std::size_t i = 0; i < count; ++i) {
+        const T p = load(first + i);
+        codes[i] = static_cast<std::uint8_t>(code(static_cast<float>(p), first + i));
+        residual[first + i] = -(static_cast<T>(value(codes[i])) - p);
+      }
+      for (std::size_t w = 0; w * per_word < count; ++w) {
+        std::uint32_t packed = 0;
+        for (std::size_t i = 0; i < per_word && w * per_word + i < count; ++i)
+          packed |= std::uint32_t{codes[w * per_word + i]} << (Bits * i);
+        word[first / per_word + w] = packed;
+      }
+    };
+    const std::size_t whole = n / block * block;
+    for (std::size_t first = 0; first < whole; first += block)
+      code_block(first, std::integral_constant<std::size_t, block>{});
+    if (whole < n) code_block(whole, n - whole);
     return bytes(n);
   }
 

@@ -43,15 +43,17 @@ struct RandomK {
 
   template <class T>
   std::size_t encode(std::span<const T> values, State& state, std::span<std::byte> out) const {
-    const std::size_t n = values.size(), k = keep.of(n);
-    const std::size_t bytes = header_bytes + 8 + 4 * k;
-    check_capacity("random-k", bytes, out.size());
-    write_header(out, CodecId::random_k, n);
-    const std::uint64_t key = quantize::stream_key(seed, state.encodes++);
-    std::memcpy(out.data() + header_bytes, &key, 8);
-    auto* value = reinterpret_cast<float*>(out.data() + header_bytes + 8);
-    for (std::size_t j = 0; j < k; ++j) value[j] = static_cast<float>(values[quantize::stratum_index(key, j, n, k)]);
-    return bytes;
+    return encode_picks(values, state, out, [](std::size_t, float) {});
+  }
+
+  // For ErrorFeedback: encodes values + residual and leaves what it cut off in residual, one pass
+  // (the add) plus the k kept positions.
+  template <class T>
+  std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, State& state,
+                                   std::span<std::byte> out) const {
+    for (std::size_t i = 0; i < residual.size(); ++i) residual[i] += values[i];
+    return encode_picks(std::span<const T>(residual), state, out,
+                        [&](std::size_t i, float sent) { residual[i] = -(static_cast<T>(sent) - residual[i]); });
   }
 
   template <class T>
@@ -63,6 +65,25 @@ struct RandomK {
     const auto* value = reinterpret_cast<const float*>(in.data() + header_bytes + 8);
     if (mode == DecodeMode::overwrite) std::fill(out.begin(), out.end(), T(0));
     for (std::size_t j = 0; j < k; ++j) out[quantize::stratum_index(key, j, n, k)] += static_cast<T>(value[j]);
+  }
+
+ private:
+  // Writes the encoding of values and calls picked(i, value sent) for each kept position i.
+  template <class T, class Picked>
+  std::size_t encode_picks(std::span<const T> values, State& state, std::span<std::byte> out, Picked picked) const {
+    const std::size_t n = values.size(), k = keep.of(n);
+    const std::size_t bytes = header_bytes + 8 + 4 * k;
+    check_capacity("random-k", bytes, out.size());
+    write_header(out, CodecId::random_k, n);
+    const std::uint64_t key = quantize::stream_key(seed, state.encodes++);
+    std::memcpy(out.data() + header_bytes, &key, 8);
+    auto* value = reinterpret_cast<float*>(out.data() + header_bytes + 8);
+    for (std::size_t j = 0; j < k; ++j) {
+      const std::size_t i = quantize::stratum_index(key, j, n, k);
+      value[j] = static_cast<float>(values[i]);
+      picked(i, value[j]);
+    }
+    return bytes;
   }
 };
 

@@ -68,27 +68,17 @@ struct TopK {
 
   template <class T>
   std::size_t encode(std::span<const T> values, State&, std::span<std::byte> out) const {
-    const std::size_t n = values.size(), k = keep.of(n);
-    const std::size_t bytes = header_bytes + 4 + 8 * k;
-    check_capacity("top-k", bytes, out.size());
-    write_header(out, CodecId::top_k, n);
-    const auto count = static_cast<std::uint32_t>(k);
-    std::memcpy(out.data() + header_bytes, &count, 4);
-    if (k == 0) return bytes;
-    auto* index = reinterpret_cast<std::uint32_t*>(out.data() + header_bytes + 4);
-    auto* value = reinterpret_cast<float*>(index + k);
-    auto [cut, ties] = select(values, k);
-    std::size_t taken = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      const float v = static_cast<float>(values[i]);
-      const std::uint32_t key = quantize::magnitude_key(v);
-      if (key > cut || (key == cut && ties > 0)) {
-        ties -= key == cut;
-        index[taken] = static_cast<std::uint32_t>(i);
-        value[taken++] = v;
-      }
-    }
-    return bytes;
+    return encode_picks(values, out, [](std::size_t, float) {});
+  }
+
+  // For ErrorFeedback: encodes values + residual and leaves what it cut off in residual: the add,
+  // the selection, and the k kept positions, instead of three more passes.
+  template <class T>
+  std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, State&,
+                                   std::span<std::byte> out) const {
+    for (std::size_t i = 0; i < residual.size(); ++i) residual[i] += values[i];
+    return encode_picks(std::span<const T>(residual), out,
+                        [&](std::size_t i, float sent) { residual[i] = -(static_cast<T>(sent) - residual[i]); });
   }
 
   template <class T>
@@ -109,6 +99,34 @@ struct TopK {
                                 index[j], j, n));
     if (mode == DecodeMode::overwrite) std::fill(out.begin(), out.end(), T(0));
     for (std::size_t j = 0; j < k; ++j) out[index[j]] += static_cast<T>(value[j]);
+  }
+
+ private:
+  // Writes the encoding of values and calls picked(i, value sent) for each kept position i.
+  template <class T, class Picked>
+  std::size_t encode_picks(std::span<const T> values, std::span<std::byte> out, Picked picked) const {
+    const std::size_t n = values.size(), k = keep.of(n);
+    const std::size_t bytes = header_bytes + 4 + 8 * k;
+    check_capacity("top-k", bytes, out.size());
+    write_header(out, CodecId::top_k, n);
+    const auto count = static_cast<std::uint32_t>(k);
+    std::memcpy(out.data() + header_bytes, &count, 4);
+    if (k == 0) return bytes;
+    auto* index = reinterpret_cast<std::uint32_t*>(out.data() + header_bytes + 4);
+    auto* value = reinterpret_cast<float*>(index + k);
+    auto [cut, ties] = select(values, k);
+    std::size_t taken = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float v = static_cast<float>(values[i]);
+      const std::uint32_t key = quantize::magnitude_key(v);
+      if (key > cut || (key == cut && ties > 0)) {
+        ties -= key == cut;
+        index[taken] = static_cast<std::uint32_t>(i);
+        value[taken++] = v;
+        picked(i, v);
+      }
+    }
+    return bytes;
   }
 };
 

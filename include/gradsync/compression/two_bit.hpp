@@ -32,17 +32,30 @@ struct TwoBit {
 
   template <class T>
   std::size_t encode(std::span<const T> values, State&, std::span<std::byte> out) const {
-    return Packed<2>::encode(CodecId::two_bit, "two-bit", values, {threshold}, out,
-                             [t = threshold](float v, std::size_t) { return quantize::two_bit_code(v, t); });
+    return Packed<2>::encode(CodecId::two_bit, "two-bit", values, {threshold}, out, code());
+  }
+
+  // For ErrorFeedback: encodes values + residual and leaves what it cut off in residual, in one pass.
+  template <class T>
+  std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, State&,
+                                   std::span<std::byte> out) const {
+    return Packed<2>::encode_keeping_error(
+        CodecId::two_bit, "two-bit", residual, [&](std::size_t i) { return residual[i] + values[i]; }, {threshold}, out,
+        code(), decoder);
   }
 
   template <class T>
   void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
-    Packed<2>::decode(CodecId::two_bit, "two-bit", in, out, mode,
-                      [](const auto& p) {
-      return [t = p[0]](std::uint32_t code) { return quantize::two_bit_value(code, t); };
-    });
+    Packed<2>::decode(CodecId::two_bit, "two-bit", in, out, mode, decoder);
   }
+
+ private:
+  auto code() const {
+    return [t = threshold](float v, std::size_t) { return quantize::two_bit_code(v, t); };
+  }
+  static constexpr auto decoder = [](const Packed<2>::Parameters& p) {
+    return [t = p[0]](std::uint32_t code) { return quantize::two_bit_value(code, t); };
+  };
 };
 
 static_assert(CompressionPolicy<TwoBit>);
