@@ -28,8 +28,12 @@
 // cores than ranks measures CPU contention more than overlap.
 //
 // An iteration's time runs from the start of backward to the return of wait(); exposed is the
-// time wait() blocked. Medians over --iters iterations after --warmup, rank 0's view (all ranks
-// leave wait() together).
+// time wait() blocked; cpu is the CPU time rank 0's process (all its threads) used during the
+// iteration, user and kernel apart, which tells a CPU-bound run (ranks sharing cores) from a
+// link-bound one. Medians over --iters iterations after --warmup, rank 0's view (all ranks leave
+// wait() together).
+
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -82,8 +86,20 @@ struct Config {
   gs::Coordination coordination;
 };
 
+// CPU time this process (every thread) has used so far, in the user and in the kernel.
+struct CpuTime {
+  double user_ms = 0, system_ms = 0;
+};
+CpuTime cpu_time() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto ms = [](const timeval& t) { return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_usec) / 1e3; };
+  return {ms(usage.ru_utime), ms(usage.ru_stime)};
+}
+
 struct Sample {
   double iteration_ms = 0, exposed_ms = 0;
+  CpuTime cpu;
   std::size_t buckets = 0;
   gs::IterationStats stats;
 };
@@ -122,6 +138,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   std::vector<int> plan_changes;  // iterations whose plan differed from the one before
   for (int it = 0; it < cfg.warmup + cfg.iters; ++it) {
     const auto start = Clock::now();
+    const CpuTime cpu_start = cpu_time();
     auto deadline = start;
     for (std::size_t k = 0; k < trace.size(); ++k) {
       double us = trace[k].compute_us * cfg.time_scale;
@@ -138,6 +155,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     }
     sync.wait();
     const auto end = Clock::now();
+    const CpuTime cpu_end = cpu_time();
     // Every rank gave rank + 1 everywhere; the workers are ranks 0 .. w-1 (dedicated servers come
     // last and hold only the parts they serve), so the average is (w + 1) / 2.
     if (it == 0 && Codec::lossless && rank < workers) {
@@ -154,14 +172,17 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     if (it >= cfg.warmup)
       samples.push_back({std::chrono::duration<double, std::milli>(end - start).count(),
                          std::chrono::duration<double, std::milli>(sync.last_iteration().exposed).count(),
+                         {cpu_end.user_ms - cpu_start.user_ms, cpu_end.system_ms - cpu_start.system_ms},
                          sync.last_iteration().buckets, sync.last_iteration()});
   }
   if (rank != 0) return 0;
-  std::vector<double> times, exposed, compute, in_flight, waiting, control_kb, awaiting_grant;
+  std::vector<double> times, exposed, cpu_user, cpu_system, compute, in_flight, waiting, control_kb, awaiting_grant;
   const auto ms = [](std::chrono::nanoseconds t) { return std::chrono::duration<double, std::milli>(t).count(); };
   for (const auto& s : samples) {
     times.push_back(s.iteration_ms);
     exposed.push_back(s.exposed_ms);
+    cpu_user.push_back(s.cpu.user_ms);
+    cpu_system.push_back(s.cpu.system_ms);
     compute.push_back(ms(s.stats.compute));
     in_flight.push_back(ms(s.stats.in_flight));
     waiting.push_back(ms(s.stats.waiting));
@@ -176,16 +197,19 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
              cfg.jitter, cfg.drift_at >= 0 ? fmt::format(", drift x{:g} from iteration {}", cfg.drift_factor, cfg.drift_at) : "");
   fmt::print("# codec {}{}, topology {}, executor {} ({} compute threads), transport {}\n", codec.describe(),
              cfg.selective ? " (selective)" : "", topology.describe(), cfg.executor, cfg.compute_threads, transport_name);
-  fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10}\n", "policy", "buckets",
-             "iteration (ms)", "exposed (ms)", "plans", "wire (MB)", "algbw", "busbw", "compute", "in flight", "waiting");
+  fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10} {:>9} {:>9}\n", "policy",
+             "buckets", "iteration (ms)", "exposed (ms)", "plans", "wire (MB)", "algbw", "busbw", "compute", "in flight",
+             "waiting", "cpu user", "cpu sys");
   // algbw and busbw as nccl-tests defines them, for the whole model per iteration: meaningful when
   // --time-scale 0 makes the iteration one synchronization. The allreduce is among the workers
   // (rank 0 is one): dedicated servers do not count in busbw's 2(n-1)/n.
   const double algbw = static_cast<double>(bytes) / (median(times) * 1e6);
-  fmt::print("  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>10.1f} {:>10.1f} {:>10.1f}\n",
-             policy_name, samples.back().buckets, median(times), median(exposed), plans,
-             static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (workers - 1) / std::max(1, workers),
-             median(compute), median(in_flight), median(waiting));
+  fmt::print(
+      "  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>10.1f} {:>10.1f} {:>10.1f} {:>9.1f} "
+      "{:>9.1f}\n",
+      policy_name, samples.back().buckets, median(times), median(exposed), plans,
+      static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (workers - 1) / std::max(1, workers),
+      median(compute), median(in_flight), median(waiting), median(cpu_user), median(cpu_system));
   fmt::print("# plan changed after iterations: {}\n", fmt::join(plan_changes, ", "));
   if (cfg.coordination.enabled)
     fmt::print("# coordinated (window {}, batches of {} KiB): rank 0 sent {:.1f} KB of grants per iteration; its sends "
@@ -195,17 +219,20 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     auto out = fmt::output_file(cfg.json);
     out.print(R"({{"trace": "{}", "policy": "{}", "ranks": {}, "bytes": {}, "size_scale": {}, "time_scale": {}, )"
               R"("jitter": {}, "drift_at": {}, "drift_factor": {}, "buckets": {}, "iteration_ms": {:.3f}, )"
-              R"("exposed_ms": {:.3f}, "codec": "{}", "selective": {}, "topology": "{}", "executor": "{}", "compute_threads": {}, )"
+              R"("exposed_ms": {:.3f}, "cpu_user_ms": {:.3f}, "cpu_system_ms": {:.3f}, "codec": "{}", "selective": {}, "topology": "{}", "executor": "{}", "compute_threads": {}, )"
               R"("transport": "{}", )"
               R"("wire_bytes": {}, "coordinated": {}, "window": {}, "batch_bytes": {}, "control_kb": {:.3f}, )"
               R"("awaiting_grant_ms": {:.3f}, "plan_changes": [{}], "samples": [)",
               cfg.trace, policy_name, ranks, bytes, cfg.size_scale, cfg.time_scale, cfg.jitter, cfg.drift_at,
-              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), cfg.codec, cfg.selective,
+              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), median(cpu_user),
+              median(cpu_system), cfg.codec, cfg.selective,
               topology.describe(), cfg.executor, cfg.compute_threads, transport_name, last.bytes_sent, cfg.coordination.enabled, cfg.coordination.window,
               cfg.coordination.batch_bytes, median(control_kb), median(awaiting_grant), fmt::join(plan_changes, ", "));
     for (std::size_t i = 0; i < samples.size(); ++i)
-      out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "buckets": {}}})", i ? ", " : "",
-                samples[i].iteration_ms, samples[i].exposed_ms, samples[i].buckets);
+      out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "cpu_user_ms": {:.3f}, "cpu_system_ms": {:.3f}, )"
+                R"("buckets": {}}})",
+                i ? ", " : "", samples[i].iteration_ms, samples[i].exposed_ms, samples[i].cpu.user_ms,
+                samples[i].cpu.system_ms, samples[i].buckets);
     out.print("]}}\n");
   }
   return 0;
