@@ -359,6 +359,56 @@ TEST_SUITE("tcp") {
     }
   }
 
+  TEST_CASE("messages up to the express lane's size take the lane, larger ones the data sockets") {
+    // Each of 2 ranks sends the other 3 messages of 100 bytes and 2 of 64 KiB, then reports what
+    // its traffic counters say went where.
+    constexpr std::size_t small = 100, large = 64 << 10;
+    const auto traffic_of = [](std::size_t lane, int rank, std::uint16_t port) {
+      TcpOptions o = options(rank, 2, port);
+      o.express_lane_bytes = lane;
+      Tcp t(o);
+      const int peer = 1 - rank;
+      std::vector<std::vector<std::byte>> out, in;
+      for (std::size_t size : {small, large, small, large, small}) {
+        out.emplace_back(size, std::byte{7});
+        in.emplace_back(size);
+      }
+      std::array<Tcp::Request, 5> sends, receives;
+      for (std::size_t m = 0; m < out.size(); ++m) {
+        t.recv(receives[m], peer, m, in[m]);
+        t.send(sends[m], peer, m, out[m]);
+      }
+      for (std::size_t m = 0; m < out.size(); ++m) {
+        t.wait(sends[m], std::chrono::steady_clock::now() + 20s);
+        t.wait(receives[m], std::chrono::steady_clock::now() + 20s);
+      }
+      return t.traffic();
+    };
+    using Count = transport::TcpTraffic::Count;
+    struct Case {
+      std::size_t lane;
+      Count data, express;
+    };
+    for (const Case& c : {Case{0, {5, 3 * small + 2 * large}, {0, 0}},
+                          Case{1024, {2, 2 * large}, {3, 3 * small}},
+                          Case{small, {2, 2 * large}, {3, 3 * small}},  // the bound is inclusive
+                          Case{small - 1, {5, 3 * small + 2 * large}, {0, 0}}}) {
+      CAPTURE(c.lane);
+      const std::uint16_t port = test::free_port();
+      const auto results = test::run_processes(2, [&](int rank) -> std::string {
+        const transport::TcpTraffic traffic = traffic_of(c.lane, rank, port);
+        if (traffic.data_sent == c.data && traffic.data_received == c.data && traffic.express_sent == c.express &&
+            traffic.express_received == c.express)
+          return "ok";
+        return fmt::format("data sent {}/{} received {}/{}, express sent {}/{} received {}/{} (messages/bytes)",
+                           traffic.data_sent.messages, traffic.data_sent.bytes, traffic.data_received.messages,
+                           traffic.data_received.bytes, traffic.express_sent.messages, traffic.express_sent.bytes,
+                           traffic.express_received.messages, traffic.express_received.bytes);
+      });
+      for (const auto& r : results) CHECK(r.report == "ok");
+    }
+  }
+
   TEST_CASE("a rank sends to itself, and a world of one needs no network") {
     Tcp alone(options(0, 1, test::free_port()));
     std::array<std::byte, 4> out{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}}, in{};

@@ -35,10 +35,11 @@ using gradsync::detail::IntrusiveQueue;
 // One socket to one peer. The io thread owns the socket and the buffers; the queue, the flags and
 // the parked header are shared with callers and guarded by the engine's lock.
 struct Connection {
-  Connection(tcp::socket s, int p) : socket(std::move(s)), peer(p) {}
+  Connection(tcp::socket s, int p, bool lane) : socket(std::move(s)), peer(p), express(lane) {}
 
   tcp::socket socket;
   const int peer;
+  const bool express;  // the express lane: carries the small messages
   IntrusiveQueue<Request> queue;  // sends waiting for this socket
   bool writing = false;
   Request* sending = nullptr;
@@ -84,6 +85,11 @@ class TcpEngine {
 
   int rank() const noexcept { return options_.rank; }
   int size() const noexcept { return options_.world_size; }
+
+  TcpTraffic traffic() {
+    std::lock_guard lock(mutex_);
+    return traffic_;
+  }
 
   std::string describe() const {
     return options_.express_lane_bytes == 0
@@ -179,6 +185,11 @@ class TcpEngine {
   }
 
   // The data sockets, then the express lane's if there is one.
+  static void count(TcpTraffic::Count& c, std::uint64_t bytes) {
+    ++c.messages;
+    c.bytes += bytes;
+  }
+
   std::size_t sockets_per_peer() const {
     return static_cast<std::size_t>(options_.connections_per_peer) + (options_.express_lane_bytes > 0 ? 1 : 0);
   }
@@ -272,6 +283,7 @@ class TcpEngine {
         std::lock_guard lock(mutex_);
         if (c.sending != r) return;  // failed and handed back meanwhile: not ours to touch
         c.sending = nullptr;
+        count(c.express ? traffic_.express_sent : traffic_.data_sent, r->size_);
         finish(*r, r->size_);
       }
       write_next(c);
@@ -295,6 +307,7 @@ class TcpEngine {
       std::lock_guard lock(mutex_);
       Peer& p = peers_[static_cast<std::size_t>(peer)];
       if (p.failure) return;
+      count(c.express ? traffic_.express_received : traffic_.data_received, header->length);
       c.parked = header;
       if (Request* r = p.receives.take_if([&](const Request* q) { return q->tag_ == header->tag; })) start_payload(c, *r);
       // Otherwise the frame waits, and so does this socket, until a matching recv() arrives.
@@ -696,7 +709,9 @@ class TcpEngine {
   }
 
   void install(int peer, std::uint32_t connection, tcp::socket s) {
-    peers_[static_cast<std::size_t>(peer)].connections[connection] = std::make_unique<Connection>(std::move(s), peer);
+    const bool express = options_.express_lane_bytes > 0 && connection + 1 == sockets_per_peer();
+    peers_[static_cast<std::size_t>(peer)].connections[connection] =
+        std::make_unique<Connection>(std::move(s), peer, express);
   }
 
   Error missing_ranks(const error_code& ec, const std::vector<std::string>& refused) const {
@@ -725,6 +740,7 @@ class TcpEngine {
   IntrusiveQueue<Request> self_sends_, self_receives_;
   std::optional<Error> aborted_;
   std::shared_future<void> aborted_closed_;  // ready once abort() has let go of every buffer
+  TcpTraffic traffic_;                       // guarded by mutex_
   std::thread io_thread_;
 };
 
@@ -763,6 +779,7 @@ TcpOptions Tcp::options_from_env() {
 
 int Tcp::rank() const noexcept { return engine_->rank(); }
 int Tcp::size() const noexcept { return engine_->size(); }
+TcpTraffic Tcp::traffic() const { return engine_->traffic(); }
 std::string Tcp::describe() const { return engine_->describe(); }
 
 void Tcp::send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {

@@ -55,6 +55,18 @@ struct TcpOptions {
   std::string congestion_control;
 };
 
+// What one rank has moved over its sockets: data frames and their payload bytes, sent (once
+// written) and received (once their header arrived), on the data sockets and on the express lane.
+// Messages to itself touch no socket and are not counted.
+struct TcpTraffic {
+  struct Count {
+    std::uint64_t messages = 0;
+    std::uint64_t bytes = 0;
+    bool operator==(const Count&) const = default;
+  };
+  Count data_sent, data_received, express_sent, express_received;
+};
+
 class Tcp {
  public:
   class Request : private detail::Operation<Request> {
@@ -88,6 +100,7 @@ class Tcp {
   int rank() const noexcept;
   int size() const noexcept;
   std::string describe() const;
+  TcpTraffic traffic() const;  // so far, this rank's
 
   void send(Request& request, int peer, std::uint64_t tag, std::span<const std::byte> bytes);
   void recv(Request& request, int peer, std::uint64_t tag, std::span<std::byte> bytes);
