@@ -99,14 +99,7 @@ topology::ParameterServer parameter_server(const Config& cfg) {
 // own, in group order.
 template <class Codec>
 std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg) {
-  const auto through = [&](float v) {
-    auto state = codec.make_state(1, DType::f32);
-    std::vector<std::byte> buffer(codec.max_encoded_bytes(1, DType::f32));
-    const std::size_t used = codec.encode(std::span<const float>(&v, 1), state, buffer);
-    float out = 0;
-    codec.decode(std::span<const std::byte>(buffer).first(used), std::span<float>(&out, 1), DecodeMode::overwrite);
-    return out;
-  };
+  const auto through = [&](float v) { return compression::round_trip(codec, v); };
   std::vector<float> expected(count);
   if (cfg.topology == "parameter-server") {
     const topology::ParameterServer ps = parameter_server(cfg);

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "gradsync/compression/round_trip.hpp"
 #include "gradsync/topology/ring.hpp"
 #include "gradsync/transport/in_process.hpp"
 
@@ -50,20 +51,9 @@ inline std::vector<float> random_values(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
-// decode(encode(v)) for one value: what a value looks like after one trip through the codec.
-template <class C>
-float through(const C& codec, float v) {
-  auto state = codec.make_state(1, DType::f32);
-  std::vector<std::byte> buffer(codec.max_encoded_bytes(1, DType::f32));
-  const std::size_t used = codec.encode(std::span<const float>(&v, 1), state, buffer);
-  float out = 0;
-  codec.decode(std::span<const std::byte>(buffer).first(used), std::span<float>(&out, 1), DecodeMode::overwrite);
-  return out;
-}
-
 // The ring's arithmetic, written out: segment s starts at rank s, each next rank adds its own
-// value to what arrived (after a trip through the codec), the owner (rank s-1) divides by n, and
-// everyone receives the owner's value after one more trip through the codec.
+// value to what arrived (after a trip through the codec, compression::round_trip), the owner
+// (rank s-1) divides by n, and everyone receives the owner's value after one more trip.
 template <class C>
 std::vector<float> ring_reference(const C& codec, const std::vector<std::vector<float>>& inputs) {
   const int n = static_cast<int>(inputs.size());
@@ -74,11 +64,11 @@ std::vector<float> ring_reference(const C& codec, const std::vector<std::vector<
     for (std::size_t e = seg.begin; e < seg.end; ++e) {
       float partial = inputs[static_cast<std::size_t>(s)][e];
       for (int k = 1; k < n; ++k) {
-        const float arrived = C::identity ? partial : through(codec, partial);
+        const float arrived = C::identity ? partial : compression::round_trip(codec, partial);
         partial = inputs[static_cast<std::size_t>((s + k) % n)][e] + arrived;
       }
       const float average = partial / static_cast<float>(n);
-      out[e] = C::identity ? average : through(codec, average);
+      out[e] = C::identity ? average : compression::round_trip(codec, average);
     }
   }
   return out;

@@ -99,14 +99,14 @@ std::vector<float> ps_reference(const C& codec, const topology::ParameterServer&
     for (std::size_t e = range.begin; e < range.end; ++e) {
       const auto contribution = [&](int s) {
         const float x = inputs[static_cast<std::size_t>(s)][e];
-        return C::identity || s == root ? x : test::through(codec, x);
+        return C::identity || s == root ? x : compression::round_trip(codec, x);
       };
       std::optional<float> sum;
       if (!ps.dedicated) sum = contribution(root);
       for (int s = 0; s < contributors; ++s)
         if (s != root) sum = sum ? *sum + contribution(s) : contribution(s);
       const float average = *sum / static_cast<float>(contributors);
-      out[e] = C::identity || n == 1 ? average : test::through(codec, average);
+      out[e] = C::identity || n == 1 ? average : compression::round_trip(codec, average);
     }
   }
   return out;

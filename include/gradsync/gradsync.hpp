@@ -10,6 +10,7 @@
 #include "gradsync/compression/none.hpp"
 #include "gradsync/compression/one_bit.hpp"
 #include "gradsync/compression/random_k.hpp"
+#include "gradsync/compression/round_trip.hpp"
 #include "gradsync/compression/terngrad.hpp"
 #include "gradsync/compression/top_k.hpp"
 #include "gradsync/compression/two_bit.hpp"

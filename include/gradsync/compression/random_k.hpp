@@ -51,9 +51,8 @@ struct RandomK {
   template <class T>
   std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, State& state,
                                    std::span<std::byte> out) const {
-    for (std::size_t i = 0; i < residual.size(); ++i) residual[i] += values[i];
-    return encode_picks(std::span<const T>(residual), state, out,
-                        [&](std::size_t i, float sent) { residual[i] = -(static_cast<T>(sent) - residual[i]); });
+    return compression::encode_keeping_error(
+        values, residual, [&](std::span<const T> p, auto picked) { return encode_picks(p, state, out, picked); });
   }
 
   template <class T>

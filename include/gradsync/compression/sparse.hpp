@@ -1,9 +1,11 @@
 #pragma once
-// What the sparsifying codecs (TopK, RandomK) share: how many values they keep of a run.
+// What the sparsifying codecs (TopK, RandomK) share: how many values they keep of a run, and how
+// they keep error feedback's residual.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <span>
 #include <string>
 
 #include <fmt/format.h>
@@ -24,5 +26,16 @@ struct Keep {
   }
   std::string describe() const { return count ? fmt::format("k={}", count) : fmt::format("fraction={}", fraction); }
 };
+
+// The sparsifiers' encode_keeping_error (see ErrorFeedback): p = residual + values, formed in
+// place, is encoded by encode(p, picked), which calls picked(i, value sent) for each kept
+// position; there the residual becomes -(sent - p_i) (ErrorFeedback's rounding), and everywhere
+// else it stays p_i, which nothing was sent of.
+template <class T, class EncodePicks>
+std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, EncodePicks encode) {
+  for (std::size_t i = 0; i < residual.size(); ++i) residual[i] += values[i];
+  return encode(std::span<const T>(residual),
+                [&](std::size_t i, float sent) { residual[i] = -(static_cast<T>(sent) - residual[i]); });
+}
 
 }  // namespace gradsync::compression
