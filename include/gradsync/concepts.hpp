@@ -74,9 +74,11 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
 //                             out.size() values are an Error (protocol), never a crash.
 //   Optional: encode_keeping_error(values, residual, state, out)
-//                             encodes p = residual + values and leaves p - decode(encoding) in
-//                             residual, bit for bit what ErrorFeedback<C>'s own steps leave, in
-//                             fewer passes; ErrorFeedback<C> uses it when C has it.
+//                             encodes p = residual + values (of equal sizes) and leaves
+//                             -(-p + decode(encoding)) in residual, bit for bit what
+//                             ErrorFeedback<C>'s own steps leave (signed zeros included; a NaN
+//                             stays a NaN, but the compiler may flip its sign bit), in fewer
+//                             passes; ErrorFeedback<C> uses it when C has it.
 template <class C>
 concept CompressionPolicy = std::copyable<C> &&
     requires(const C& c, typename C::State& state, std::size_t n, DType dtype, std::span<const float> f32_in,

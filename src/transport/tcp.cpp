@@ -184,12 +184,12 @@ class TcpEngine {
     return {.rank = options_.rank, .peer = peer >= 0 ? std::optional<int>(peer) : std::nullopt, .operation = std::move(operation)};
   }
 
-  // The data sockets, then the express lane's if there is one.
   static void count(TcpTraffic::Count& c, std::uint64_t bytes) {
     ++c.messages;
     c.bytes += bytes;
   }
 
+  // The data sockets, then the express lane's if there is one.
   std::size_t sockets_per_peer() const {
     return static_cast<std::size_t>(options_.connections_per_peer) + (options_.express_lane_bytes > 0 ? 1 : 0);
   }

@@ -47,8 +47,8 @@ struct Packed : PackedCodes<Bits> {
   }
 
   // encode() fused with ErrorFeedback's bookkeeping (see error_feedback.hpp), one pass over the
-  // values: codes p_i = load(i) and leaves -(value(code) - p_i) in residual[i], the bits of
-  // ErrorFeedback's decode into -p and negation (p - value would give +0 where they give -0).
+  // values: codes p_i = load(i) and leaves -(-p_i + value(code)) in residual[i], the operations
+  // of ErrorFeedback's decode into -p and negation (p - value would give +0 where they give -0).
   // value = decoder(parameters), as in decode().
   template <class T, class Load, class Code, class Decoder>
   static std::size_t encode_keeping_error(CodecId id, std::string_view codec, std::span<T> residual, Load load,
@@ -69,7 +69,7 @@ struct Packed : PackedCodes<Bits> {
       for (std::size_t i = 0; i < count; ++i) {
         const T p = load(first + i);
         codes[i] = static_cast<std::uint8_t>(code(static_cast<float>(p), first + i));
-        residual[first + i] = -(static_cast<T>(value(codes[i])) - p);
+        residual[first + i] = -(-p + static_cast<T>(value(codes[i])));
       }
       for (std::size_t w = 0; w * per_word < count; ++w) {
         std::uint32_t packed = 0;

@@ -72,7 +72,7 @@ struct TopK {
   }
 
   // For ErrorFeedback: encodes values + residual and leaves what it cut off in residual: the add,
-  // the selection, and the k kept positions, instead of three more passes.
+  // the selection, then only the k kept positions instead of two negating passes and a decode.
   template <class T>
   std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, State&,
                                    std::span<std::byte> out) const {

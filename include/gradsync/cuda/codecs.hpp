@@ -90,8 +90,9 @@ void accumulate(float* residual, const float* in, std::size_t n, Stream&);
 // values[i] = -values[i], on the stream.
 void negate(float* values, std::size_t n, Stream&);
 
-// ErrorFeedback on the device, the same steps as the CPU decorator: residual += in; encode the
-// residual; residual -= decode(encoding), as -(-residual + decode) so the rounding matches.
+// ErrorFeedback on the device, the CPU decorator's generic steps (which its codecs' one-pass
+// encode_keeping_error matches bit for bit): residual += in; encode the residual;
+// residual -= decode(encoding), as -(-residual + decode) so the rounding matches.
 template <class C>
 std::size_t encode_with_feedback(const C& codec, typename C::State& state, const float* in, float* residual,
                                  std::size_t n, std::byte* out, Stream& stream) {
