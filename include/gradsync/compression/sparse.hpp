@@ -29,8 +29,8 @@ struct Keep {
 
 // The sparsifiers' encode_keeping_error (see ErrorFeedback): p = residual + values, formed in
 // place, is encoded by encode(p, picked), which calls picked(i, value sent) for each kept
-// position; there the residual becomes -(-p_i + sent) (ErrorFeedback's own operations), and everywhere
-// else it stays p_i, which nothing was sent of.
+// position; there the residual becomes -(-p_i + sent) (ErrorFeedback's own operations), and
+// everywhere else it stays p_i, which nothing was sent of.
 template <class T, class EncodePicks>
 std::size_t encode_keeping_error(std::span<const T> values, std::span<T> residual, EncodePicks encode) {
   for (std::size_t i = 0; i < residual.size(); ++i) residual[i] += values[i];
