@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "gradsync/detail/layout_check.hpp"
+#include "gradsync/engine/control.hpp"
 #include "gradsync/error.hpp"
 #include "gradsync/numeric.hpp"
 #include "gradsync/types.hpp"
@@ -84,18 +84,44 @@ TEST_SUITE("core") {
   TEST_CASE("layout comparison says what differs") {
     const Layout a{{"w", 10, DType::f32}, {"b", 3, DType::f32}};
     Layout b = a;
-    const std::string ref = detail::describe_layout(a, "policies: x");
-    CHECK(detail::layout_differences(ref, detail::describe_layout(b, "policies: x"), 1).empty());
+    const std::string ref = engine::describe_layout(a, "policies: x");
+    CHECK(engine::layout_differences(ref, engine::describe_layout(b, "policies: x"), 1).empty());
 
     b[1].count = 4;
-    const std::string size_diff = detail::layout_differences(ref, detail::describe_layout(b, "policies: x"), 2);
+    const std::string size_diff = engine::layout_differences(ref, engine::describe_layout(b, "policies: x"), 2);
     CHECK(size_diff == R"(rank 2 differs from rank 0: gradient 1: rank 0 has "b" f32[3] cpu, rank 2 has "b" f32[4] cpu)");
 
     b.pop_back();
-    const std::string count_diff = detail::layout_differences(ref, detail::describe_layout(b, "policies: y"), 1);
+    const std::string count_diff = engine::layout_differences(ref, engine::describe_layout(b, "policies: y"), 1);
     CHECK(count_diff.find(R"(policies: rank 0 has "policies: x", rank 1 has "policies: y")") != std::string::npos);
     CHECK(count_diff.find("rank 0 registered 2 gradients, rank 1 registered 1") != std::string::npos);
 
-    CHECK(detail::layout_differences(ref, "something else\n", 5).find("another layout format") != std::string::npos);
+    CHECK(engine::layout_differences(ref, "something else\n", 5).find("another layout format") != std::string::npos);
+  }
+
+  TEST_CASE("a plan survives its wire form, and malformed plan messages are refused") {
+    const BucketPlan plan{{{3, 1}, {0}, {2, 4, 5}}};
+    const ErrorContext where{.rank = 1, .peer = 0, .operation = "plan agreement"};
+    const std::string bytes = engine::encode_plan(plan);
+    CHECK(engine::decode_plan(bytes, where) == plan);
+    CHECK(engine::decode_plan(engine::encode_plan(BucketPlan{}), where) == BucketPlan{});
+
+    const auto refused = [&](std::string_view message) {
+      try {
+        engine::decode_plan(message, where);
+      } catch (const Error& e) {
+        CHECK(e.kind() == ErrorKind::protocol);
+        CHECK(e.context().peer == 0);
+        return std::string(e.what()).find("malformed plan message") != std::string::npos;
+      }
+      return false;
+    };
+    CHECK(refused(bytes.substr(0, bytes.size() - 1)));  // not whole words
+    CHECK(refused(bytes.substr(0, bytes.size() - 4)));  // a bucket shorter than its count
+    CHECK(refused(bytes + std::string(4, '\0')));       // words left over
+    std::string huge = bytes;
+    huge[0] = '\xff';  // a bucket count larger than the message
+    CHECK(refused(huge));
+    CHECK(refused(""));
   }
 }

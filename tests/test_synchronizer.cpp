@@ -8,8 +8,11 @@
 #include <barrier>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <numeric>
+#include <string>
+#include <string_view>
 #include <thread>
 
 #include "gradsync/gradsync.hpp"
@@ -338,17 +341,30 @@ TEST_SUITE("synchronizer") {
   TEST_CASE("selective compression: the ranks calibrate, agree, and end with the same bits") {
     // Which buckets get compressed depends on timings, but never differs between ranks.
     const std::vector<Spec> specs{{"big", 300000, DType::f32}, {"small", 10, DType::f32}, {"h.f64", 5000, DType::f64}};
+    // Rank 0 logs the decisions (Options::log), one line per bucket under a heading.
     using C = compression::ErrorFeedback<compression::TwoBit>;
     for (Executor executor : {Executor::task_graph, Executor::serial})
       for (int n : {2, 3}) {
         CAPTURE(n);
+        std::mutex mutex;
+        std::vector<std::string> logs;
+        Options options{.executor = executor, .selective_compression = true};
+        options.log = [&](std::string_view line) {
+          std::lock_guard lock(mutex);
+          logs.emplace_back(line);
+        };
         const auto ring = results_of<Synchronizer<bucketing::PerTensor, C, topology::Ring, InProcess>>(
-            n, specs, 2, {.executor = executor, .selective_compression = true}, {}, {});
+            n, specs, 2, options, {}, {});
         const auto ps = results_of<Synchronizer<bucketing::PerTensor, C, topology::ParameterServer, InProcess>>(
-            n, specs, 2, {.executor = executor, .selective_compression = true}, {}, {});
+            n, specs, 2, options, {}, {});
         for (const auto* results : {&ring, &ps})
           for (const auto& iteration : *results)
             for (const Model& m : iteration) CHECK(same_bits(m, iteration[0]));
+        REQUIRE_FALSE(logs.empty());
+        for (const std::string& line : logs) {
+          CHECK(line.starts_with("gradsync selective compression (error-feedback(two-bit"));
+          CHECK(line.find("bucket 2: ") != std::string::npos);
+        }
       }
   }
 
@@ -418,11 +434,13 @@ TEST_SUITE("synchronizer") {
     // Three layers of two gradients. Rank 0 leaves 8 ms between layers, then, from iteration 12,
     // produces the second layer right after the first; rank 1 has no gaps, rank 2 gaps of 3 ms.
     // Rank 0's timings decide the plan; every rank must hold it and the same averages throughout.
+    // Each rank's proposals and drift reach its own log sink (Options::log).
     const std::vector<Spec> specs{{"l0.w", 300, DType::f32}, {"l0.b", 3, DType::f32}, {"l1.w", 200, DType::f32},
                                   {"l1.b", 2, DType::f32},   {"l2.w", 100, DType::f32}, {"l2.b", 1, DType::f32}};
     constexpr int n = 3, iterations = 32;
     const bucketing::TimeClustered policy{.profile_iterations = 3, .check_every = 4, .min_bucket_bytes = 1,
-                                          .window = 3, .log = false};
+                                          .window = 3};
+    std::vector<std::vector<std::string>> logs(n);
     std::vector<std::vector<Model>> inputs(iterations, std::vector<Model>(n, Model(specs)));
     auto outputs = inputs;
     for (int it = 0; it < iterations; ++it)
@@ -433,7 +451,10 @@ TEST_SUITE("synchronizer") {
     const auto errors = test::run_ranks(n, [&](InProcess& t) {
       const auto r = static_cast<std::size_t>(t.rank());
       Model model(specs);
-      Synchronizer<bucketing::TimeClustered, compression::None, topology::Ring, InProcess> sync(std::move(t), {}, policy);
+      Options options;
+      options.log = [&logs, r](std::string_view line) { logs[r].emplace_back(line); };  // read after the join
+      Synchronizer<bucketing::TimeClustered, compression::None, topology::Ring, InProcess> sync(std::move(t), options,
+                                                                                               policy);
       for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
       for (int it = 0; it < iterations; ++it) {
         model = inputs[static_cast<std::size_t>(it)][r];
@@ -465,6 +486,14 @@ TEST_SUITE("synchronizer") {
     REQUIRE(rank0_history.size() == 3);
     CHECK(rank0_history[1] == BucketPlan{{{0, 1}, {2, 3}, {4, 5}}});
     CHECK(rank0_history[2] == BucketPlan{{{0, 1, 2, 3}, {4, 5}}});
+    // Rank 0 proposed three buckets, saw the drift, and proposed two.
+    const auto logged = [&](std::string_view text) {
+      return std::count_if(logs[0].begin(), logs[0].end(),
+                           [&](const std::string& line) { return line.find(text) != std::string::npos; });
+    };
+    CHECK(logged("gradsync time-clustered: 3 buckets:") >= 1);
+    CHECK(logged("gradsync time-clustered: ready times drifted") >= 1);
+    CHECK(logged("gradsync time-clustered: 2 buckets:") >= 1);
   }
 
   TEST_CASE("per-iteration counters: bytes, compression ratio, time after the last ready") {

@@ -14,7 +14,7 @@
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
-#include "gradsync/engine/coordinator.hpp"
+#include "gradsync/engine/coordinator/channel.hpp"
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/dependencies.hpp"
 #include "gradsync/engine/exchange.hpp"

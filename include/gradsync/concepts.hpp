@@ -118,6 +118,20 @@ concept TopologyPolicy = std::copyable<T> &&
       { t.schedule(group, elements, codec) } -> std::same_as<Schedule>;
     };
 
+// PipelineTopology: a topology that selective compression (Options::selective_compression,
+// engine/cost_model.hpp) can plan for.
+//
+//   shape(group, elements)    how a piece of the bucket's largest segment travels: hops in
+//                             sequence, pieces sharing a link at each (schedule.hpp), which the
+//                             cost model turns into predicted times;
+//   chunk_elements            the piece size the schedule cuts segments into, which selective
+//                             compression sets to the size it predicts fastest.
+template <class T>
+concept PipelineTopology = TopologyPolicy<T> && requires(T t, const T& ct, const Group& group, std::size_t elements) {
+  { ct.shape(group, elements) } -> std::same_as<PipelineShape>;
+  t.chunk_elements = elements;
+};
+
 // ---------------------------------------------------------------------------------------------
 // TransportPolicy: moves bytes between ranks; full duplex, tagged, non-blocking.
 //

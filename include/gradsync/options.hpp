@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gradsync/log.hpp"
+
 namespace gradsync {
 
 // How each bucket's schedule is run. Both give bit-identical results.
@@ -17,7 +19,7 @@ enum class Executor : std::uint8_t {
   serial,
 };
 
-// Coordinated sends (engine/coordinator.hpp): ranks report each piece ready to send to group rank
+// Coordinated sends (engine/coordinator/planner.hpp): ranks report each piece ready to send to group rank
 // 0, which batches pieces by destination and grants a batch while its sender's uplink and its
 // destination's downlink each carry fewer than `window` batches.
 struct Coordination {
@@ -38,13 +40,16 @@ struct Options {
   // Selective compression (engine/cost_model.hpp): at the first synchronization the ranks time
   // encode, decode and a transfer to their ring neighbour (a few hundred ms), agree on the
   // slowest rank's costs, and from then on every bucket is sent compressed only where that is
-  // predicted to be faster, cut into the predicted best number of pieces. Rank 0 prints each
-  // plan's decisions to stderr. Needs a topology with shape() and chunk_elements (Ring and
-  // ParameterServer have them; other topologies are refused with ErrorKind::unsupported); with
-  // an identity codec it changes nothing.
+  // predicted to be faster, cut into the predicted best number of pieces. Rank 0 logs each
+  // plan's decisions. Needs a PipelineTopology (concepts.hpp; Ring and ParameterServer are;
+  // other topologies are refused with ErrorKind::unsupported); with an identity codec it changes
+  // nothing.
   bool selective_compression = false;
   // Coordinated sends (task graph only). Results do not depend on it.
   Coordination coordination;
+  // Where this Synchronizer and its bucketing policy print (log.hpp): new plans, selective
+  // compression's decisions. Nothing is printed per step.
+  LogSink log = log_to_stderr;
 };
 
 // What the last completed iteration cost this rank.

@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include "gradsync/log.hpp"
 #include "gradsync/types.hpp"
 
 namespace gradsync {
@@ -27,6 +28,7 @@ struct ReadyProfile {
   std::span<const GradientInfo> layout;    // indexed by GradId
   std::span<const Duration> ready_time;    // indexed by GradId
   std::span<const GradId> order;           // first ready first
+  const LogSink* log = nullptr;            // where the policy may print (Options::log); null: nowhere
 };
 
 }  // namespace gradsync

@@ -15,21 +15,20 @@
 //
 // At the first synchronization the ranks exchange their layouts and policy settings, and stop
 // with an Error on every rank if anything differs. Plans proposed by the bucketing policy are
-// agreed (rank 0's wins) at iteration boundaries. Buffers are sized whenever a plan is installed;
-// ready(), the exchange and wait() allocate nothing.
+// agreed (rank 0's wins) at iteration boundaries. Both travel on the control channel
+// (engine/control.hpp). Buffers are sized whenever a plan is installed; ready(), the exchange and
+// wait() allocate nothing.
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include <fmt/format.h>
@@ -37,7 +36,7 @@
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/aligned_buffer.hpp"
 #include "gradsync/detail/convert.hpp"
-#include "gradsync/detail/layout_check.hpp"
+#include "gradsync/engine/control.hpp"
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/task_graph.hpp"
@@ -59,13 +58,15 @@ class Synchronizer {
         bucketing_(std::move(bucketing)),
         codec_(std::move(codec)),
         topology_(std::move(topology)),
-        group_(Group::world(transport_.rank(), transport_.size())) {
+        group_(Group::world(transport_.rank(), transport_.size())),
+        control_(transport_, group_, options_.timeout) {
     if (options_.compute_threads < 1)
       throw Error(ErrorKind::invalid_argument, here("options"),
                   fmt::format("compute_threads is {}; the task graph needs at least 1", options_.compute_threads));
-    if (options_.selective_compression && !selective_topology)
+    if (options_.selective_compression && !PipelineTopology<T>)
       throw Error(ErrorKind::unsupported, here("options"),
-                  fmt::format("selective compression needs a topology with shape() and chunk_elements; {} has not",
+                  fmt::format("selective compression needs a topology with shape() and chunk_elements (a "
+                              "PipelineTopology, concepts.hpp); {} has not",
                               topology_.describe()));
     if (options_.coordination.enabled && options_.executor != Executor::task_graph)
       throw Error(ErrorKind::invalid_argument, here("options"), "coordinated sends need the task-graph executor");
@@ -185,12 +186,6 @@ class Synchronizer {
   const B& bucketing() const noexcept { return bucketing_; }
 
  private:
-  // Whether the topology tells selective compression its pipeline and lets it choose the pieces.
-  static constexpr bool selective_topology = requires(T t, const Group& g, std::size_t n) {
-    { t.shape(g, n) } -> std::same_as<PipelineShape>;
-    t.chunk_elements = n;
-  };
-
   struct Slot {
     std::uint32_t bucket = 0;
     std::size_t offset = 0;  // first element in the bucket's buffer
@@ -200,20 +195,13 @@ class Synchronizer {
     DType dtype = DType::f32;  // accumulation dtype
     std::size_t elements = 0;
     // A bucket of one gradient already in its accumulation dtype is reduced where it lies,
-    // saving a copy in and a copy out; otherwise gradients are packed into `values`.
+    // saving a copy in and a copy out; otherwise gradients are packed into `storage`.
     bool in_place = false;
-    detail::AlignedBuffer values;
+    detail::AlignedBuffer storage;
+    // Where the bucket is reduced, typed by its dtype: the one place the dtype becomes a type.
+    engine::BucketValues values;
     engine::BucketExchange<C, X> exchange;
   };
-
-  // Control messages: each is a size, then a payload (message id + 1).
-  enum ControlMessage : std::uint32_t {
-    layout_message = 0,
-    verdict_message = 2,
-    plan_message = 4,
-    calibration_message = 6,  // then 8, 9, ... for the transfer probes
-  };
-  static constexpr std::uint64_t max_control_bytes = std::uint64_t{64} << 20;
 
   ErrorContext here(std::string operation, std::optional<std::uint32_t> bucket = std::nullopt) const {
     return {.rank = rank(), .bucket = bucket, .operation = std::move(operation)};
@@ -276,7 +264,12 @@ class Synchronizer {
         bucket.elements += layout_[id].count;
       }
       bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype;
-      if (!bucket.in_place) bucket.values = detail::AlignedBuffer(bucket.elements * size_of(bucket.dtype));
+      if (!bucket.in_place) bucket.storage = detail::AlignedBuffer(bucket.elements * size_of(bucket.dtype));
+      void* data = bucket.in_place ? views_[ids.front()].data : bucket.storage.data();
+      if (bucket.dtype == DType::f64)
+        bucket.values = std::span<double>(static_cast<double*>(data), bucket.elements);
+      else
+        bucket.values = std::span<float>(static_cast<float*>(data), bucket.elements);
       bucket.exchange = exchange_for(b, bucket);
     }
     for (std::size_t id = 0; id < layout_.size(); ++id)
@@ -301,21 +294,13 @@ class Synchronizer {
   // Bucket `b`'s schedule: compressed, unless selective compression has a cost model that says
   // sending it as it is would be faster; then also cut into the pieces the model chose.
   engine::BucketExchange<C, X> exchange_for(std::size_t b, const Bucket& bucket) {
-    if constexpr (selective_topology) {
+    if constexpr (PipelineTopology<T>) {
       if (costs_) {
-        const PipelineShape shape = topology_.shape(group_, bucket.elements);
-        const engine::Decision d = engine::decide(*costs_, shape, size_of(bucket.dtype), [&](std::size_t e) {
-          return codec_.max_encoded_bytes(e, bucket.dtype);
-        });
-        T topology = topology_;
-        topology.chunk_elements = std::max<std::size_t>(1, (shape.segment_elements + d.pieces - 1) / d.pieces);
-        decisions_ += fmt::format("\n  bucket {}: {:.2f} MB {}, {} piece{} per segment, predicted {:.2f} ms ({:.2f} ms uncompressed)",
-                                  b, static_cast<double>(bucket.elements * size_of(bucket.dtype)) / 1e6,
-                                  d.compress ? "compressed" : "uncompressed", d.pieces, d.pieces == 1 ? "" : "s",
-                                  d.predicted * 1e3, d.uncompressed * 1e3);
-        return engine::BucketExchange<C, X>(
-            topology.schedule(group_, bucket.elements, d.compress ? codec_traits<C>() : CodecTraits{.identity = true}),
-            codec_, bucket.dtype, !d.compress && !C::identity);
+        engine::ChosenSchedule chosen =
+            engine::choose_schedule(*costs_, codec_, topology_, group_, bucket.elements, bucket.dtype);
+        decisions_ += fmt::format("\n  bucket {}: {}", b, chosen.explanation);
+        return engine::BucketExchange<C, X>(std::move(chosen.schedule), codec_, bucket.dtype,
+                                            !chosen.compressed && !C::identity);
       }
     }
     return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()), codec_,
@@ -324,28 +309,23 @@ class Synchronizer {
 
   void log_decisions() {
     if (!decisions_.empty() && rank() == 0)
-      std::fputs(fmt::format("gradsync selective compression ({}): {}{}\n", codec_.describe(), costs_->describe(),
-                             decisions_)
-                     .c_str(),
-                 stderr);
+      log_line(options_.log, fmt::format("gradsync selective compression ({}): {}{}", codec_.describe(),
+                                         costs_->describe(), decisions_));
     decisions_.clear();
   }
 
   void communicate() {
     try {
-      exchange_layouts();
+      engine::agree_on_layout(control_, layout_, describe_policies());
       if (options_.selective_compression && !C::identity && size() > 1) {
-        costs_ = calibrate();
+        costs_ = engine::calibrate(codec_, control_);
         for (std::size_t b = 0; b < buckets_.size(); ++b) buckets_[b].exchange = exchange_for(b, buckets_[b]);
         hand_to_engine();
       }
       for (std::uint64_t iteration = 0;; ++iteration) {
         for (std::size_t b = 0; b < buckets_.size(); ++b) {
           if (!wait_for_bucket(b)) return;
-          if (buckets_[b].dtype == DType::f64)
-            synchronize_bucket<double>(b, iteration);
-          else
-            synchronize_bucket<float>(b, iteration);
+          std::visit([&](auto values) { synchronize_bucket(b, values, iteration); }, buckets_[b].values);
         }
         if (engine_) tally(engine_->finish());
         end_iteration(iteration);
@@ -413,15 +393,14 @@ class Synchronizer {
 
   // Packs bucket `b` and runs it (serial) or starts it (task graph, which calls copy_back(b)).
   template <class V>
-  void synchronize_bucket(std::size_t b, std::uint64_t iteration) {
+  void synchronize_bucket(std::size_t b, std::span<V> values, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
-    const auto values = bucket_values<V>(b);
     if (!bucket.in_place) {
       const auto started = std::chrono::steady_clock::now();
       for (GradId id : plan_.buckets[b]) detail::load<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count));
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
-    if (engine_) return engine_->start(static_cast<std::uint32_t>(b), values, iteration);
+    if (engine_) return engine_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
     tally(bucket.exchange.run(values, codec_, transport_,
                               {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout}));
     const auto started = std::chrono::steady_clock::now();
@@ -429,25 +408,16 @@ class Synchronizer {
     stats_.compute += std::chrono::steady_clock::now() - started;
   }
 
-  template <class V>
-  std::span<V> bucket_values(std::size_t b) {
-    Bucket& bucket = buckets_[b];
-    if (bucket.in_place) return {static_cast<V*>(views_[plan_.buckets[b].front()].data), bucket.elements};
-    return bucket.values.template as<V>(bucket.elements);
-  }
-
   // Writes bucket `b`'s averages into its gradients (nothing to do for a bucket reduced in place).
   void copy_back(std::size_t b) {
     if (buckets_[b].in_place) return;
-    const auto store = [&](auto values) {
-      using V = typename decltype(values)::value_type;
-      for (GradId id : plan_.buckets[b])
-        detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
-    };
-    if (buckets_[b].dtype == DType::f64)
-      store(bucket_values<double>(b));
-    else
-      store(bucket_values<float>(b));
+    std::visit(
+        [&](auto values) {
+          using V = typename decltype(values)::value_type;
+          for (GradId id : plan_.buckets[b])
+            detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
+        },
+        buckets_[b].values);
   }
 
   void tally(const engine::ExchangeStats& e) {
@@ -470,21 +440,15 @@ class Synchronizer {
     const std::int64_t first = first_ready_.load(std::memory_order_acquire);
     const auto start = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(first));
     for (std::size_t id = 0; id < layout_.size(); ++id) ready_time_[id] = ready_at_[id] - start;
-    const ReadyProfile profile{iteration, layout_, ready_time_, std::span<const GradId>(order_.data(), order_size_.load())};
+    const ReadyProfile profile{iteration, layout_, ready_time_, std::span<const GradId>(order_.data(), order_size_.load()),
+                               &options_.log};
     std::optional<BucketPlan> proposal = bucketing_.end_iteration(profile);
     if (!bucketing_.agreement_due(iteration)) return;
     {
       std::lock_guard lock(mutex_);
       idle_ = false;
     }
-    std::string agreed;
-    if (rank() == 0) {
-      agreed = encode_plan(proposal ? *proposal : plan_);
-      for (int peer = 1; peer < size(); ++peer) send_control(peer, iteration, plan_message, agreed);
-    } else {
-      agreed = recv_control(0, iteration, plan_message);
-    }
-    BucketPlan plan = decode_plan(agreed);
+    BucketPlan plan = engine::agree_on_plan(control_, iteration, proposal ? *proposal : plan_);
     if (plan != plan_) install(std::move(plan));
   }
 
@@ -538,168 +502,15 @@ class Synchronizer {
                              iteration_.load(), options_.timeout.count(), count, layout_.size(), missing));
   }
 
-  // ---- agreement between ranks -----------------------------------------------------------------
-
-  void exchange_layouts() {
-    const std::string policies =
-        fmt::format("bucketing={} codec={} topology={} transport={} world={} selective-compression={} coordination={}",
-                    bucketing_.describe(), codec_.describe(), topology_.describe(), transport_.describe(), size(),
-                    options_.selective_compression,
-                    options_.coordination.enabled ? fmt::format("window {}, batches of {} bytes", options_.coordination.window,
-                                                                options_.coordination.batch_bytes)
-                                                  : "off");
-    const std::string mine = detail::describe_layout(layout_, policies);
-    std::string verdict;
-    if (rank() == 0) {
-      for (int peer = 1; peer < size(); ++peer) {
-        const std::string difference = detail::layout_differences(mine, recv_control(peer, 0, layout_message), peer);
-        if (!difference.empty()) verdict += (verdict.empty() ? "" : "; ") + difference;
-      }
-      for (int peer = 1; peer < size(); ++peer) send_control(peer, 0, verdict_message, verdict);
-    } else {
-      send_control(0, 0, layout_message, mine);
-      verdict = recv_control(0, 0, verdict_message);
-    }
-    if (!verdict.empty()) throw Error(ErrorKind::mismatch, here("layout check"), verdict);
-  }
-
-  // Selective compression's calibration: times encode and decode here, and a transfer to the right
-  // neighbour of the ring (receiving from the left), at three sizes each; fits a + b * bytes; and
-  // agrees on the slowest rank's coefficients (rank 0 gathers them and sends back the maximum).
-  engine::CostModel calibrate() {
-    using Clock = std::chrono::steady_clock;
-    const auto median_of = [](auto&& once) {
-      std::array<double, 5> t{};
-      for (double& s : t) {
-        const auto started = Clock::now();
-        once();
-        s = std::chrono::duration<double>(Clock::now() - started).count();
-      }
-      std::sort(t.begin(), t.end());
-      return t[2];
-    };
-    constexpr std::array<std::size_t, 3> value_counts{std::size_t{1} << 14, std::size_t{1} << 17, std::size_t{1} << 20};
-    std::vector<float> values(value_counts.back()), out(value_counts.back());
-    for (std::size_t i = 0; i < values.size(); ++i)
-      values[i] = static_cast<float>(static_cast<int>((i * 2654435761u) % 2001u) - 1000) * 1e-3f;
-    std::vector<std::byte> encoded(codec_.max_encoded_bytes(values.size(), DType::f32));
-    std::vector<std::pair<double, double>> encode_points, decode_points, transfer_points;
-    for (std::size_t n : value_counts) {
-      auto state = codec_.make_state(n, DType::f32);
-      const std::span<const float> in(values.data(), n);
-      std::size_t used = 0;
-      const double bytes = static_cast<double>(n * sizeof(float));
-      encode_points.emplace_back(bytes, median_of([&] { used = codec_.encode(in, state, encoded); }));
-      decode_points.emplace_back(bytes, median_of([&] {
-        codec_.decode(std::span<const std::byte>(encoded.data(), used), std::span<float>(out.data(), n), DecodeMode::add);
-      }));
-    }
-    const int left = (rank() + size() - 1) % size(), right = (rank() + 1) % size();
-    std::vector<std::byte> probe_out(std::size_t{1} << 21), probe_in(probe_out.size());
-    std::uint32_t probe = 0;
-    for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 21}) {
-      transfer_points.emplace_back(static_cast<double>(bytes), median_of([&] {
-        const auto tag = engine::make_tag(0, engine::control_bucket, calibration_message + 2 + probe++);
-        const auto deadline = Clock::now() + options_.timeout;
-        transport_.recv(control_requests_[0], left, tag, std::span(probe_in.data(), bytes));
-        transport_.send(control_requests_[1], right, tag, std::span<const std::byte>(probe_out.data(), bytes));
-        transport_.wait(control_requests_[0], deadline);
-        transport_.wait(control_requests_[1], deadline);
-      }));
-    }
-    std::array<double, 6> mine{};
-    const engine::Linear fitted[3] = {engine::fit(encode_points), engine::fit(decode_points), engine::fit(transfer_points)};
-    for (int i = 0; i < 3; ++i) mine[2 * i] = fitted[i].fixed, mine[2 * i + 1] = fitted[i].per_byte;
-    const auto as_text = [](const std::array<double, 6>& c) { return std::string(reinterpret_cast<const char*>(c.data()), sizeof c); };
-    const auto from_text = [&](const std::string& text, int peer) {
-      if (text.size() != sizeof(std::array<double, 6>))
-        throw Error(ErrorKind::protocol, {.rank = rank(), .peer = peer, .operation = "calibration"},
-                    fmt::format("calibration message of {} bytes, expected {}", text.size(), sizeof(std::array<double, 6>)));
-      std::array<double, 6> c;
-      std::memcpy(c.data(), text.data(), sizeof c);
-      return c;
-    };
-    std::array<double, 6> agreed = mine;
-    if (rank() == 0) {
-      for (int peer = 1; peer < size(); ++peer) {
-        const auto theirs = from_text(recv_control(peer, 0, calibration_message), peer);
-        for (std::size_t i = 0; i < agreed.size(); ++i) agreed[i] = std::max(agreed[i], theirs[i]);
-      }
-      for (int peer = 1; peer < size(); ++peer) send_control(peer, 0, calibration_message, as_text(agreed));
-    } else {
-      send_control(0, 0, calibration_message, as_text(mine));
-      agreed = from_text(recv_control(0, 0, calibration_message), 0);
-    }
-    return {{agreed[0], agreed[1]}, {agreed[2], agreed[3]}, {agreed[4], agreed[5]}};
-  }
-
-  // Control traffic goes through members, not locals: if a wait fails, the transport is aborted
-  // while the buffers it may still reference are alive.
-  void send_control(int peer, std::uint64_t iteration, std::uint32_t message, std::string_view payload) {
-    control_out_.assign(payload);
-    control_size_ = control_out_.size();
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-    transport_.send(control_requests_[0], peer, engine::make_tag(iteration, engine::control_bucket, message),
-                    std::as_bytes(std::span(&control_size_, 1)));
-    transport_.send(control_requests_[1], peer, engine::make_tag(iteration, engine::control_bucket, message + 1),
-                    std::as_bytes(std::span(control_out_.data(), control_out_.size())));
-    transport_.wait(control_requests_[0], deadline);
-    transport_.wait(control_requests_[1], deadline);
-  }
-
-  std::string recv_control(int peer, std::uint64_t iteration, std::uint32_t message) {
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-    transport_.recv(control_requests_[0], peer, engine::make_tag(iteration, engine::control_bucket, message),
-                    std::as_writable_bytes(std::span(&control_size_, 1)));
-    if (transport_.wait(control_requests_[0], deadline) != sizeof control_size_ || control_size_ > max_control_bytes)
-      throw Error(ErrorKind::protocol, {.rank = rank(), .peer = peer, .operation = "control"},
-                  fmt::format("control message announces {} bytes (limit {})", control_size_, max_control_bytes));
-    control_in_.resize(control_size_);
-    transport_.recv(control_requests_[1], peer, engine::make_tag(iteration, engine::control_bucket, message + 1),
-                    std::as_writable_bytes(std::span(control_in_.data(), control_in_.size())));
-    if (transport_.wait(control_requests_[1], deadline) != control_size_)
-      throw Error(ErrorKind::protocol, {.rank = rank(), .peer = peer, .operation = "control"},
-                  "control message shorter than announced");
-    return control_in_;
-  }
-
-  // A plan on the wire: bucket count, then each bucket's size and ids, as 32-bit words.
-  static std::string encode_plan(const BucketPlan& plan) {
-    std::vector<std::uint32_t> words{static_cast<std::uint32_t>(plan.buckets.size())};
-    for (const auto& ids : plan.buckets) {
-      words.push_back(static_cast<std::uint32_t>(ids.size()));
-      words.insert(words.end(), ids.begin(), ids.end());
-    }
-    return std::string(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(std::uint32_t));
-  }
-
-  BucketPlan decode_plan(std::string_view bytes) const {
-    const auto malformed = [&] {
-      return Error(ErrorKind::protocol, {.rank = rank(), .peer = 0, .operation = "plan agreement"},
-                   fmt::format("malformed plan message of {} bytes", bytes.size()));
-    };
-    if (bytes.size() % sizeof(std::uint32_t) != 0) throw malformed();
-    std::vector<std::uint32_t> words(bytes.size() / sizeof(std::uint32_t));
-    if (!words.empty()) std::memcpy(words.data(), bytes.data(), bytes.size());
-    std::size_t at = 0;
-    const auto next = [&] {
-      if (at >= words.size()) throw malformed();
-      return words[at++];
-    };
-    // Every count is checked against the words left before anything is sized by it.
-    const auto count = [&] {
-      const std::uint32_t n = next();
-      if (n > words.size() - at) throw malformed();
-      return n;
-    };
-    BucketPlan plan;
-    plan.buckets.resize(count());
-    for (auto& ids : plan.buckets) {
-      ids.resize(count());
-      for (GradId& id : ids) id = next();
-    }
-    if (at != words.size()) throw malformed();
-    return plan;
+  // The policies every rank must share, as the layout check compares them.
+  std::string describe_policies() const {
+    return fmt::format(
+        "bucketing={} codec={} topology={} transport={} world={} selective-compression={} coordination={}",
+        bucketing_.describe(), codec_.describe(), topology_.describe(), transport_.describe(), size(),
+        options_.selective_compression,
+        options_.coordination.enabled
+            ? fmt::format("window {}, batches of {} bytes", options_.coordination.window, options_.coordination.batch_bytes)
+            : "off");
   }
 
   X transport_;
@@ -708,6 +519,7 @@ class Synchronizer {
   C codec_;
   T topology_;
   Group group_;
+  engine::ControlChannel<X> control_;  // the communication thread's, for agreements between ranks
 
   Layout layout_;
   std::vector<TensorView> views_;
@@ -729,10 +541,6 @@ class Synchronizer {
 
   // Used by the communication thread only.
   std::vector<Duration> ready_time_;
-  std::array<typename X::Request, 2> control_requests_;
-  std::uint64_t control_size_ = 0;
-  std::string control_out_;
-  std::string control_in_;
   IterationStats stats_;
   std::optional<engine::CostModel> costs_;  // selective compression's agreed costs, once calibrated
   std::string decisions_;                   // its decisions for the plan being installed, for the log

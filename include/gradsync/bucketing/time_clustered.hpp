@@ -32,11 +32,11 @@
 // few percent per iteration does not move the medians that far.
 //
 // Until the first plan it behaves like FixedSize (reverse registration order, DDP's caps). With
-// `log` set, each proposal is printed to stderr: buckets, their sizes and time points.
+// `log` set, each proposal is printed to the Synchronizer's log (Options::log): buckets, their
+// sizes and time points.
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -73,7 +73,7 @@ struct TimeClustered {
         s += fmt::format(" [{} grads, {:.2f} MB, at {:.2f} ms]", plan.buckets[b].size(), bytes / 1e6,
                          std::chrono::duration<double, std::milli>(last[b]).count());
       }
-      return s + "\n";
+      return s;
     }
   };
 
@@ -112,13 +112,13 @@ struct TimeClustered {
     Learned& l = learned;
     record(profile);
     if (l.planned && drifted()) {
-      if (log) std::fputs("gradsync time-clustered: ready times drifted; profiling again\n", stderr);
+      if (log && profile.log) log_line(*profile.log, "gradsync time-clustered: ready times drifted; profiling again");
       l.planned.reset();
       restart();
     }
     if (!l.planned && !l.pending && profiled() >= profile_iterations) {
       l.pending = cluster(profile.layout, medians(profile_iterations));
-      if (log) std::fputs(l.pending->summary(profile.layout).c_str(), stderr);
+      if (log && profile.log) log_line(*profile.log, l.pending->summary(profile.layout));
       restart();  // the drift window starts afresh
     }
     if (!l.pending || !agreement_due(profile.iteration)) return std::nullopt;  // only a round reads it

@@ -16,15 +16,24 @@
 //
 // Compression is chosen when its best K beats the uncompressed best K. Small buckets, where the
 // fixed costs dominate, go uncompressed.
+//
+// calibrate() measures the coefficients at the first synchronization; choose_schedule() makes a
+// bucket's decision whenever a plan is installed.
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
+#include "gradsync/concepts.hpp"
+#include "gradsync/engine/control.hpp"
 #include "gradsync/schedule.hpp"
 
 namespace gradsync::engine {
@@ -103,6 +112,90 @@ Decision decide(const CostModel& model, const PipelineShape& shape, std::size_t 
     best.predicted = best_plain;
   }
   return best;
+}
+
+// Times encode and decode here, and a transfer to the right neighbour of the ring (receiving from
+// the left), at three sizes each, five times each (the median counts); fits a + b * bytes; and
+// returns the slowest rank's coefficients, the same on every rank (gathered at group rank 0, which
+// sends back the maximum of each). Takes a few hundred milliseconds, once.
+template <CompressionPolicy C, TransportPolicy X>
+CostModel calibrate(const C& codec, ControlChannel<X>& control) {
+  using Clock = std::chrono::steady_clock;
+  const auto median_of = [](auto&& once) {
+    std::array<double, 5> t{};
+    for (double& s : t) {
+      const auto started = Clock::now();
+      once();
+      s = std::chrono::duration<double>(Clock::now() - started).count();
+    }
+    std::sort(t.begin(), t.end());
+    return t[2];
+  };
+  constexpr std::array<std::size_t, 3> value_counts{std::size_t{1} << 14, std::size_t{1} << 17, std::size_t{1} << 20};
+  std::vector<float> values(value_counts.back()), out(value_counts.back());
+  for (std::size_t i = 0; i < values.size(); ++i)
+    values[i] = static_cast<float>(static_cast<int>((i * 2654435761u) % 2001u) - 1000) * 1e-3f;
+  std::vector<std::byte> encoded(codec.max_encoded_bytes(values.size(), DType::f32));
+  std::vector<std::pair<double, double>> encode_points, decode_points, transfer_points;
+  for (std::size_t n : value_counts) {
+    auto state = codec.make_state(n, DType::f32);
+    const std::span<const float> in(values.data(), n);
+    std::size_t used = 0;
+    const double bytes = static_cast<double>(n * sizeof(float));
+    encode_points.emplace_back(bytes, median_of([&] { used = codec.encode(in, state, encoded); }));
+    decode_points.emplace_back(bytes, median_of([&] {
+      codec.decode(std::span<const std::byte>(encoded.data(), used), std::span<float>(out.data(), n), DecodeMode::add);
+    }));
+  }
+  const Group& group = control.group();
+  const int left = (group.rank + group.size() - 1) % group.size(), right = (group.rank + 1) % group.size();
+  std::uint32_t probe = 0;
+  for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 21})
+    transfer_points.emplace_back(static_cast<double>(bytes), median_of([&] {
+      control.probe(right, left, control_tag(0, ControlMessage::calibration_probe, probe++), bytes);
+    }));
+
+  using Coefficients = std::array<double, 6>;
+  const Linear fitted[3] = {fit(encode_points), fit(decode_points), fit(transfer_points)};
+  Coefficients agreed{};
+  for (int i = 0; i < 3; ++i) agreed[2 * i] = fitted[i].fixed, agreed[2 * i + 1] = fitted[i].per_byte;
+  const auto as_text = [](const Coefficients& c) { return std::string(reinterpret_cast<const char*>(c.data()), sizeof c); };
+  const auto from_text = [&](std::string_view text, int peer) {
+    if (text.size() != sizeof(Coefficients))
+      throw Error(ErrorKind::protocol,
+                  {.rank = group.members[group.rank], .peer = group.members[peer], .operation = "calibration"},
+                  fmt::format("calibration message of {} bytes, expected {}", text.size(), sizeof(Coefficients)));
+    Coefficients c;
+    std::memcpy(c.data(), text.data(), sizeof c);
+    return c;
+  };
+  control.gather(0, ControlMessage::calibration, as_text(agreed), [&](int peer, std::string_view text) {
+    const Coefficients theirs = from_text(text, peer);
+    for (std::size_t i = 0; i < agreed.size(); ++i) agreed[i] = std::max(agreed[i], theirs[i]);
+  });
+  agreed = from_text(control.broadcast(0, ControlMessage::calibration, as_text(agreed)), 0);
+  return {{agreed[0], agreed[1]}, {agreed[2], agreed[3]}, {agreed[4], agreed[5]}};
+}
+
+// A bucket's schedule as selective compression chooses it: compressed or not, its segments cut
+// into the predicted best number of pieces; `explanation` says what was chosen and why, for the log.
+struct ChosenSchedule {
+  Schedule schedule;
+  bool compressed = false;
+  std::string explanation;
+};
+
+template <CompressionPolicy C, PipelineTopology T>
+ChosenSchedule choose_schedule(const CostModel& costs, const C& codec, T topology, const Group& group,
+                               std::size_t elements, DType dtype) {
+  const PipelineShape shape = topology.shape(group, elements);
+  const Decision d = decide(costs, shape, size_of(dtype), [&](std::size_t e) { return codec.max_encoded_bytes(e, dtype); });
+  topology.chunk_elements = std::max<std::size_t>(1, (shape.segment_elements + d.pieces - 1) / d.pieces);
+  return {topology.schedule(group, elements, d.compress ? codec_traits<C>() : CodecTraits{.identity = true}),
+          d.compress,
+          fmt::format("{:.2f} MB {}, {} piece{} per segment, predicted {:.2f} ms ({:.2f} ms uncompressed)",
+                      static_cast<double>(elements * size_of(dtype)) / 1e6, d.compress ? "compressed" : "uncompressed",
+                      d.pieces, d.pieces == 1 ? "" : "s", d.predicted * 1e3, d.uncompressed * 1e3)};
 }
 
 }  // namespace gradsync::engine

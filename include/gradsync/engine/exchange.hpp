@@ -19,22 +19,23 @@
 #include <cstring>
 #include <span>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/engine/tag.hpp"
 
 namespace gradsync::engine {
 
-// Tags carry the iteration (mod 2^16), the bucket and the schedule's message id, so messages of
-// neighbouring iterations or buckets can never be mistaken for each other.
-inline constexpr std::uint32_t control_bucket = 0xffff;
-inline constexpr std::size_t max_buckets = control_bucket;  // bucket ids 0..0xfffe
+// A bucket's values in its accumulation dtype. The Synchronizer decides which when it installs a
+// plan; everything downstream visits the span it was given.
+using BucketValues = std::variant<std::span<float>, std::span<double>>;
 
-constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, std::uint32_t message) noexcept {
-  return ((iteration & 0xffffu) << 48) | (static_cast<std::uint64_t>(bucket & 0xffffu) << 32) | message;
+inline std::size_t value_bytes(const BucketValues& values) noexcept {
+  return values.index() == 0 ? sizeof(float) : sizeof(double);
 }
 
 struct ExchangeContext {

@@ -15,7 +15,7 @@
 // schedule order. Since the graph keeps every ordering the list order relied on, the results are
 // bit for bit those of the serial executor, whatever the thread count or timing.
 //
-// With coordination (coordinator.hpp), a ready send is not posted but reported to the group's
+// With coordination (coordinator/planner.hpp), a ready send is not posted but reported to the group's
 // coordinator and held until the coordinator grants it; the communication thread carries the
 // reports and grants too, and on the coordinator (group rank 0) it also runs the planner. An
 // iteration starts every installed bucket once; on the coordinator finish() also waits until
@@ -33,9 +33,10 @@
 #include <optional>
 #include <span>
 #include <thread>
+#include <variant>
 #include <vector>
 
-#include "gradsync/engine/coordinator.hpp"
+#include "gradsync/engine/coordinator/channel.hpp"
 #include "gradsync/engine/dependencies.hpp"
 #include "gradsync/engine/exchange.hpp"
 
@@ -125,14 +126,11 @@ class TaskGraph final : private transport::CompletionSink {
 
   // Starts bucket `bucket` of the installed plan on `values` (which must stay alive and untouched
   // until finish() returns).
-  template <class T>
-  void start(std::uint32_t bucket, std::span<T> values, std::uint64_t iteration) {
+  void start(std::uint32_t bucket, BucketValues values, std::uint64_t iteration) {
     std::lock_guard lock(mutex_);
     if (failed_) return;  // finish() reports why
     Job& job = jobs_[bucket];
-    job.values = values.data();
-    job.elements = values.size();
-    job.f64 = std::is_same_v<T, double>;
+    job.values = values;
     job.iteration = iteration;
     std::copy(job.graph.count.begin(), job.graph.count.end(), job.waiting.begin());
     std::fill(job.settled.begin(), job.settled.end(), std::uint8_t{0});
@@ -183,9 +181,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
     std::vector<std::uint8_t> held;           // per send: waiting for the coordinator's grant
     std::uint32_t left = 0;                   // steps not yet done
-    void* values = nullptr;
-    std::size_t elements = 0;
-    bool f64 = false;
+    BucketValues values;
     std::uint64_t iteration = 0;
 
     std::uint32_t steps() const noexcept { return static_cast<std::uint32_t>(waiting.size()); }
@@ -206,14 +202,6 @@ class TaskGraph final : private transport::CompletionSink {
 
   ExchangeContext context(const Job& job, std::uint32_t bucket) const {
     return {group_, job.iteration, bucket, timeout_};
-  }
-
-  template <class F>
-  static void with_values(const Job& job, F&& f) {
-    if (job.f64)
-      f(std::span<double>(static_cast<double*>(job.values), job.elements));
-    else
-      f(std::span<float>(static_cast<float*>(job.values), job.elements));
   }
 
   // ---- with the lock held ----------------------------------------------------------------------
@@ -297,7 +285,7 @@ class TaskGraph final : private transport::CompletionSink {
         if (step == job.steps())
           hooks_.bucket_done(bucket);
         else
-          with_values(job, [&](auto values) { job.exchange->compute(step, values, codec_); });
+          std::visit([&](auto values) { job.exchange->compute(step, values, codec_); }, job.values);
       } catch (const Error& e) {
         error = step == job.steps()
                     ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})
@@ -324,9 +312,8 @@ class TaskGraph final : private transport::CompletionSink {
   // Posts transfer `task` (communication thread, without the lock).
   void post(std::uint64_t task, ExchangeStats& sent) {
     Job& job = jobs_[bucket_of(task)];
-    with_values(job, [&](auto values) {
-      job.exchange->post(step_of(task), values, transport_, context(job, bucket_of(task)), sent);
-    });
+    std::visit([&](auto values) { job.exchange->post(step_of(task), values, transport_, context(job, bucket_of(task)), sent); },
+               job.values);
   }
 
   // With the lock held: moves past transfers already settled; true if one is still pending.
@@ -346,162 +333,213 @@ class TaskGraph final : private transport::CompletionSink {
     communication_cv_.notify_one();
   }
 
+  // What one pass of the communication thread takes on, decided under the lock.
+  struct Pass {
+    bool overdue = false;             // the oldest pending transfer is past its deadline
+    Posted oldest;                    // ... that transfer
+    bool finished_iteration = false;  // every bucket is done: report it to the coordinator
+    bool announce = false;            // a new plan's sends and receives: announce them
+    bool active = false;              // a bucket was started since the last finish()
+    std::uint64_t iterations = 0;     // finish() calls that had returned
+  };
+
+  // The communication thread: sleeps until there is work (or the oldest pending transfer's
+  // deadline), takes it under the lock, does it without, and records the outcome under the lock.
   void communication_loop() {
     std::unique_lock lock(mutex_);
     for (;;) {
-      const auto has_work = [&] {
-        return stopping_ ||
-               (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
-      };
-      if (!failed_ && oldest_pending())
-        communication_cv_.wait_until(lock, posted_[posted_head_].deadline, has_work);
-      else
-        communication_cv_.wait(lock, has_work);
+      sleep_until_work(lock);
       if (stopping_) return;
       if (failed_) continue;
-      const bool overdue = oldest_pending() && Clock::now() >= posted_[posted_head_].deadline;
-
-      while (!communication_ready_.empty()) {
-        std::pop_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
-        posting_.push_back(communication_ready_.back());
-        communication_ready_.pop_back();
-      }
-      std::swap(completions_, settling_);
-      const Posted oldest = overdue ? posted_[posted_head_] : Posted{};
-      const bool finished_iteration = std::exchange(report_finished_, false);
-      if (finished_iteration) reports_pending_ = true;  // until this pass has posted the report
-      const bool announce = std::exchange(announce_, false);
-      if (announce) {
-        announced_ = sends_to_;
-        announced_receives_ = receives_;
-      }
-      const bool active = iteration_active_;
-      const std::uint64_t iterations = iterations_;
-      communicating_ = true;
+      const Pass pass = take_work();
       lock.unlock();
 
       std::optional<Error> error;
       ExchangeStats sent;
-      std::uint64_t current = 0;
       try {
-        if (announce) {
-          current = task_id(control_job, 0);
+        if (pass.announce) {
+          working_on_ = task_id(control_job, 0);
           channel_->announce(announced_, announced_receives_);
         }
-        for (std::uint64_t task : posting_) {
-          current = task;
-          Job& job = jobs_[bucket_of(task)];
-          const Step& step = job.exchange->schedule().steps[step_of(task)];
-          if (channel_ && step.op == Step::Op::send) {
-            job.held[step_of(task)] = 1;
-            ++holding_;
-            job.ready_at[step_of(task)] = Clock::now();
-            channel_->ready(task, step.peer, make_tag(job.iteration, bucket_of(task), step.message),
-                            job.exchange->send_bytes(step_of(task), job.f64 ? sizeof(double) : sizeof(float)));
-          } else {
-            post(task, sent);
-            if (channel_) channel_->receiving(step.peer, make_tag(job.iteration, bucket_of(task), step.message));
-          }
-        }
-        for (std::uint64_t task : settling_) {
-          current = task;
-          if (bucket_of(task) == control_job) {
-            channel_->completed(step_of(task), granted_, timeout_);
-            continue;
-          }
-          Job& job = jobs_[bucket_of(task)];
-          const Step& step = job.exchange->schedule().steps[step_of(task)];
-          const std::size_t bytes = transport_.wait(job.exchange->request(step_of(task)), Clock::now() + timeout_);
-          if (step.op == Step::Op::recv)
-            with_values(job, [&](auto values) {
-              job.exchange->template received<typename decltype(values)::value_type>(step_of(task), bytes);
-            });
-          else if (channel_)
-            channel_->sent(step.peer);
-          finished_.push_back(task);
-        }
-        if (channel_) {
-          current = task_id(control_job, 0);
-          if (finished_iteration) channel_->finished();
-          channel_->flush(granted_);
-          for (std::uint64_t task : granted_) {
-            current = task_id(control_job, 0);
-            Job* job = bucket_of(task) < jobs_.size() ? &jobs_[bucket_of(task)] : nullptr;
-            if (!job || step_of(task) >= job->steps() || !job->held[step_of(task)])
-              throw Error(
-                  ErrorKind::protocol,
-                  {.rank = group_.members[group_.rank], .peer = group_.members[0], .operation = "coordinator grant"},
-                  fmt::format("grant for bucket {} step {}, which is not waiting for one", bucket_of(task),
-                              step_of(task)));
-            current = task;
-            job->held[step_of(task)] = 0;
-            --holding_;
-            sent.awaiting_grant += Clock::now() - job->ready_at[step_of(task)];
-            post(task, sent);
-          }
-          granted_.clear();
-          current = task_id(control_job, 0);
-          // A peer whose reports or grants are gone matters only while something waits on them.
-          if (const auto& lost = channel_->lost();
-              lost &&
-              (group_.rank == 0 ? active && channel_->finished_by(channel_->lost_peer()) <= iterations : holding_ > 0))
-            throw *lost;
-        }
-        if (overdue) {
-          // Past its deadline: the transport withdraws it and throws, unless it has just completed
-          // (then its report is already on the way).
-          current = oldest.task;
-          if (jobs_[bucket_of(current)].held[step_of(current)])
-            throw Error(ErrorKind::timeout, {},
-                        fmt::format("no grant from the coordinator (rank {}) within {} ms", group_.members[0],
-                                    timeout_.count()));
-          transport_.wait(jobs_[bucket_of(current)].exchange->request(step_of(current)), oldest.deadline);
-        }
+        post_ready(sent);
+        settle_completions();
+        if (channel_) serve_coordinator(pass, sent);
+        if (pass.overdue) expire(pass.oldest);
       } catch (const Error& e) {
-        if (bucket_of(current) == control_job) {
-          error = e.filled({.rank = group_.members[group_.rank], .operation = "coordinator"});
-        } else {
-          const Job& job = jobs_[bucket_of(current)];
-          error = job.exchange->located(e, step_of(current), context(job, bucket_of(current)));
-        }
+        error = located(e, working_on_);
       }
       const auto now = Clock::now();
 
       lock.lock();
-      communicating_ = false;
-      if (channel_) done_cv_.notify_all();  // install() may be waiting for this
-      for (std::uint64_t task : posting_) {
-        if (in_flight_++ == 0) in_flight_since_ = now;
-        posted_.push_back({now + timeout_, task});
-      }
-      for (std::uint64_t task : finished_) {
-        jobs_[bucket_of(task)].settled[step_of(task)] = 1;
-        if (--in_flight_ == 0) stats_.in_flight += now - in_flight_since_;
-      }
-      stats_.bytes_sent += sent.bytes_sent;
-      stats_.bytes_uncompressed += sent.bytes_uncompressed;
-      stats_.awaiting_grant += sent.awaiting_grant;
-      if (channel_) {
-        reports_pending_ = channel_->reports_pending();
-        if (!reports_pending_) done_cv_.notify_all();
-        stats_.control_bytes += channel_->bytes_sent() - control_bytes_counted_;
-        control_bytes_counted_ = channel_->bytes_sent();
-        if (coordinating()) {
-          finished_everywhere_ = channel_->finished_everywhere();
-          channel_behind_ = channel_->first_behind(iterations_ + 1);
-          done_cv_.notify_all();
-        }
-      }
-      if (error) {
-        fail(std::move(*error));
-      } else {
-        for (std::uint64_t task : finished_) done(task);
-      }
-      posting_.clear();
-      settling_.clear();
-      finished_.clear();
-      if (quiet_after_failure()) done_cv_.notify_all();
+      record(now, sent, std::move(error));
     }
+  }
+
+  // With the lock held.
+  void sleep_until_work(std::unique_lock<std::mutex>& lock) {
+    const auto has_work = [&] {
+      return stopping_ ||
+             (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
+    };
+    if (!failed_ && oldest_pending())
+      communication_cv_.wait_until(lock, posted_[posted_head_].deadline, has_work);
+    else
+      communication_cv_.wait(lock, has_work);
+  }
+
+  // With the lock held: moves ready transfers to `posting_` (in queue order) and reported
+  // completions to `settling_`, and notes what else this pass must do.
+  Pass take_work() {
+    Pass pass;
+    pass.overdue = oldest_pending() && Clock::now() >= posted_[posted_head_].deadline;
+    if (pass.overdue) pass.oldest = posted_[posted_head_];
+    while (!communication_ready_.empty()) {
+      std::pop_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
+      posting_.push_back(communication_ready_.back());
+      communication_ready_.pop_back();
+    }
+    std::swap(completions_, settling_);
+    pass.finished_iteration = std::exchange(report_finished_, false);
+    if (pass.finished_iteration) reports_pending_ = true;  // until this pass has posted the report
+    pass.announce = std::exchange(announce_, false);
+    if (pass.announce) {
+      announced_ = sends_to_;
+      announced_receives_ = receives_;
+    }
+    pass.active = iteration_active_;
+    pass.iterations = iterations_;
+    communicating_ = true;
+    return pass;
+  }
+
+  // Posts every transfer in `posting_`; with coordination a send is reported and held for its
+  // grant instead, and a posted receive is reported.
+  void post_ready(ExchangeStats& sent) {
+    for (std::uint64_t task : posting_) {
+      working_on_ = task;
+      Job& job = jobs_[bucket_of(task)];
+      const Step& step = job.exchange->schedule().steps[step_of(task)];
+      if (channel_ && step.op == Step::Op::send) {
+        job.held[step_of(task)] = 1;
+        ++holding_;
+        job.ready_at[step_of(task)] = Clock::now();
+        channel_->ready(task, step.peer, make_tag(job.iteration, bucket_of(task), step.message),
+                        job.exchange->send_bytes(step_of(task), value_bytes(job.values)));
+      } else {
+        post(task, sent);
+        if (channel_) channel_->receiving(step.peer, make_tag(job.iteration, bucket_of(task), step.message));
+      }
+    }
+  }
+
+  // Takes every completion in `settling_`: a finished receive's size is checked, a finished send
+  // is reported to the coordinator; both go to `finished_`. The channel's own requests go to it.
+  void settle_completions() {
+    for (std::uint64_t task : settling_) {
+      working_on_ = task;
+      if (bucket_of(task) == control_job) {
+        channel_->completed(step_of(task), granted_, timeout_);
+        continue;
+      }
+      Job& job = jobs_[bucket_of(task)];
+      const Step& step = job.exchange->schedule().steps[step_of(task)];
+      const std::size_t bytes = transport_.wait(job.exchange->request(step_of(task)), Clock::now() + timeout_);
+      if (step.op == Step::Op::recv)
+        std::visit(
+            [&](auto values) {
+              job.exchange->template received<typename decltype(values)::value_type>(step_of(task), bytes);
+            },
+            job.values);
+      else if (channel_)
+        channel_->sent(step.peer);
+      finished_.push_back(task);
+    }
+  }
+
+  // Coordination: sends this rank's report (or, on the coordinator, plans and sends grants), posts
+  // the sends granted to this rank, and fails if a peer whose reports or grants are still needed
+  // has gone.
+  void serve_coordinator(const Pass& pass, ExchangeStats& sent) {
+    working_on_ = task_id(control_job, 0);
+    if (pass.finished_iteration) channel_->finished();
+    channel_->flush(granted_);
+    for (std::uint64_t task : granted_) {
+      working_on_ = task_id(control_job, 0);
+      Job* job = bucket_of(task) < jobs_.size() ? &jobs_[bucket_of(task)] : nullptr;
+      if (!job || step_of(task) >= job->steps() || !job->held[step_of(task)])
+        throw Error(ErrorKind::protocol,
+                    {.rank = group_.members[group_.rank], .peer = group_.members[0], .operation = "coordinator grant"},
+                    fmt::format("grant for bucket {} step {}, which is not waiting for one", bucket_of(task),
+                                step_of(task)));
+      working_on_ = task;
+      job->held[step_of(task)] = 0;
+      --holding_;
+      sent.awaiting_grant += Clock::now() - job->ready_at[step_of(task)];
+      post(task, sent);
+    }
+    granted_.clear();
+    working_on_ = task_id(control_job, 0);
+    // A peer whose reports or grants are gone matters only while something waits on them.
+    if (const auto& lost = channel_->lost();
+        lost && (group_.rank == 0 ? pass.active && channel_->finished_by(channel_->lost_peer()) <= pass.iterations
+                                  : holding_ > 0))
+      throw *lost;
+  }
+
+  // The oldest pending transfer is past its deadline: the transport withdraws it and throws,
+  // unless it has just completed (then its report is already on the way).
+  void expire(const Posted& oldest) {
+    working_on_ = oldest.task;
+    if (jobs_[bucket_of(oldest.task)].held[step_of(oldest.task)])
+      throw Error(ErrorKind::timeout, {},
+                  fmt::format("no grant from the coordinator (rank {}) within {} ms", group_.members[0],
+                              timeout_.count()));
+    transport_.wait(jobs_[bucket_of(oldest.task)].exchange->request(step_of(oldest.task)), oldest.deadline);
+  }
+
+  // `e`, raised while working on `task`, with rank, peer, bucket and operation filled in.
+  Error located(const Error& e, std::uint64_t task) const {
+    if (bucket_of(task) == control_job) return e.filled({.rank = group_.members[group_.rank], .operation = "coordinator"});
+    const Job& job = jobs_[bucket_of(task)];
+    return job.exchange->located(e, step_of(task), context(job, bucket_of(task)));
+  }
+
+  // With the lock held: the pass's outcome. Posted transfers get their deadlines, finished ones
+  // are settled and free their successors (unless the pass failed), and the counters advance.
+  void record(Clock::time_point now, const ExchangeStats& sent, std::optional<Error> error) {
+    communicating_ = false;
+    if (channel_) done_cv_.notify_all();  // install() may be waiting for this
+    for (std::uint64_t task : posting_) {
+      if (in_flight_++ == 0) in_flight_since_ = now;
+      posted_.push_back({now + timeout_, task});
+    }
+    for (std::uint64_t task : finished_) {
+      jobs_[bucket_of(task)].settled[step_of(task)] = 1;
+      if (--in_flight_ == 0) stats_.in_flight += now - in_flight_since_;
+    }
+    stats_.bytes_sent += sent.bytes_sent;
+    stats_.bytes_uncompressed += sent.bytes_uncompressed;
+    stats_.awaiting_grant += sent.awaiting_grant;
+    if (channel_) {
+      reports_pending_ = channel_->reports_pending();
+      if (!reports_pending_) done_cv_.notify_all();
+      stats_.control_bytes += channel_->bytes_sent() - control_bytes_counted_;
+      control_bytes_counted_ = channel_->bytes_sent();
+      if (coordinating()) {
+        finished_everywhere_ = channel_->finished_everywhere();
+        channel_behind_ = channel_->first_behind(iterations_ + 1);
+        done_cv_.notify_all();
+      }
+    }
+    if (error) {
+      fail(std::move(*error));
+    } else {
+      for (std::uint64_t task : finished_) done(task);
+    }
+    posting_.clear();
+    settling_.clear();
+    finished_.clear();
+    if (quiet_after_failure()) done_cv_.notify_all();
   }
 
   X& transport_;
@@ -534,6 +572,7 @@ class TaskGraph final : private transport::CompletionSink {
   std::vector<std::uint64_t> posting_;
   std::vector<std::uint64_t> settling_;
   std::vector<std::uint64_t> finished_;
+  std::uint64_t working_on_ = 0;  // the communication thread's current task, to locate its errors
 
   // Coordination: the channel is used by the communication thread only; the rest under the lock.
   std::optional<CoordinatorChannel<X>> channel_;

@@ -202,6 +202,6 @@ struct ParameterServer {
   }
 };
 
-static_assert(TopologyPolicy<ParameterServer>);
+static_assert(PipelineTopology<ParameterServer>);
 
 }  // namespace gradsync::topology

@@ -181,6 +181,6 @@ struct Ring {
   };
 };
 
-static_assert(TopologyPolicy<Ring>);
+static_assert(PipelineTopology<Ring>);
 
 }  // namespace gradsync::topology

@@ -1,10 +1,12 @@
-#include "gradsync/detail/layout_check.hpp"
+// The control channel's compiled half: the layout text and its comparison, the plan's wire form.
+#include "gradsync/engine/control.hpp"
 
+#include <cstring>
 #include <vector>
 
 #include <fmt/format.h>
 
-namespace gradsync::detail {
+namespace gradsync::engine {
 
 namespace {
 
@@ -58,4 +60,41 @@ std::string layout_differences(std::string_view rank0, std::string_view other, i
   return fmt::format("rank {} differs from rank 0: {}", other_rank, fmt::join(found, "; "));
 }
 
-}  // namespace gradsync::detail
+std::string encode_plan(const BucketPlan& plan) {
+  std::vector<std::uint32_t> words{static_cast<std::uint32_t>(plan.buckets.size())};
+  for (const auto& ids : plan.buckets) {
+    words.push_back(static_cast<std::uint32_t>(ids.size()));
+    words.insert(words.end(), ids.begin(), ids.end());
+  }
+  return std::string(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(std::uint32_t));
+}
+
+BucketPlan decode_plan(std::string_view bytes, const ErrorContext& where) {
+  const auto malformed = [&] {
+    return Error(ErrorKind::protocol, where, fmt::format("malformed plan message of {} bytes", bytes.size()));
+  };
+  if (bytes.size() % sizeof(std::uint32_t) != 0) throw malformed();
+  std::vector<std::uint32_t> words(bytes.size() / sizeof(std::uint32_t));
+  if (!words.empty()) std::memcpy(words.data(), bytes.data(), bytes.size());
+  std::size_t at = 0;
+  const auto next = [&] {
+    if (at >= words.size()) throw malformed();
+    return words[at++];
+  };
+  // Every count is checked against the words left before anything is sized by it.
+  const auto count = [&] {
+    const std::uint32_t n = next();
+    if (n > words.size() - at) throw malformed();
+    return n;
+  };
+  BucketPlan plan;
+  plan.buckets.resize(count());
+  for (auto& ids : plan.buckets) {
+    ids.resize(count());
+    for (GradId& id : ids) id = next();
+  }
+  if (at != words.size()) throw malformed();
+  return plan;
+}
+
+}  // namespace gradsync::engine

@@ -1,275 +1,12 @@
 #pragma once
-// engine::TransmissionPlanner and its wire format — the coordinator of HiPress's CaSync (seed 001).
-//
-// With coordination on (Options::coordination), a rank does not post a send as soon as the task
-// graph makes it ready. It reports the piece — destination, bytes, message tag — to the group's
-// coordinator (group rank 0), which keeps one queue per (sender, destination) pair, groups the
-// queued pieces of a pair into batches and grants them: a rank posts exactly the sends it was
-// granted. Ranks report the receives they post too, and a piece is granted only once its receive
-// is posted: a granted transfer then depends on nothing but the network, so it cannot hold a link
-// while waiting for its receiver (with transports that deliver only into a posted receive, that
-// wait could close a cycle and deadlock). The planner grants a batch only while the sender's
-// uplink and the destination's downlink each carry fewer than `window` batches, and among the
-// pairs that qualify it serves the one whose oldest grantable piece has waited longest. So no
-// receiver is swamped by several senders while another idles, and with a window of 2 a link has
-// its next batch granted before the current one ends.
+// engine::CoordinatorChannel — one rank's end of coordinated sends (planner.hpp): reports of
+// ready pieces, posted receives and finished sends go to the coordinator (group rank 0), grants
+// come back; on the coordinator it runs the planner.
 //
 // A rank reports each finished send back (the planner's links are freed by these reports), and
 // the end of each iteration: the coordinator's own iteration ends only when every rank has ended
 // its, so that no grant can still be owed to a rank when rank 0 moves on to messages that rank
 // does not expect yet.
-//
-// Report and grant messages are small (at most `max_entries` entries, a few KiB) and batched: one
-// message carries everything that happened on a rank since its previous one. Their layout is
-// below; every message is checked for magic, version, kind, sender and length before use.
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <span>
-#include <vector>
-
-#include <fmt/format.h>
-
-#include "gradsync/concepts.hpp"
-#include "gradsync/engine/exchange.hpp"
-#include "gradsync/options.hpp"
-
-namespace gradsync::engine {
-
-// ---- the planner: pure bookkeeping, no I/O -----------------------------------------------------
-
-class TransmissionPlanner {
- public:
-  TransmissionPlanner(int ranks, Coordination limits)
-      : ranks_(ranks),
-        limits_(limits),
-        pairs_(static_cast<std::size_t>(ranks) * ranks),
-        uplink_(ranks),
-        downlink_(ranks) {
-    limits_.window = std::max(1, limits_.window);
-  }
-
-  // `sender` will send up to `pieces` pieces to `destination` per iteration of its current plan:
-  // the queues are sized for them, so planning allocates nothing afterwards.
-  void expect(int sender, int destination, std::size_t pieces) {
-    check_pair(sender, destination, "announces pieces");
-    Pair& p = pair(sender, destination);
-    p.queued.reserve(pieces);
-    p.receiving.reserve(pieces);
-    p.batches.reserve(pieces);
-    batch_.reserve(pieces);
-  }
-
-  // `sender` has a piece of `bytes` for `destination`: message `tag`, known to the sender as `task`.
-  void ready(int sender, int destination, std::uint64_t tag, std::uint32_t bytes, std::uint64_t task) {
-    check_pair(sender, destination, "reports a piece");
-    Pair& p = pair(sender, destination);
-    const auto posted = std::find(p.receiving.begin(), p.receiving.end(), tag);
-    const bool matched = posted != p.receiving.end();
-    if (matched) {
-      *posted = p.receiving.back();
-      p.receiving.pop_back();
-    }
-    p.queued.push_back({task, tag, bytes, arrivals_++, matched});
-    ++queued_;
-  }
-
-  // `destination` has posted the receive for message `tag` from `sender`.
-  void receiving(int sender, int destination, std::uint64_t tag) {
-    check_pair(sender, destination, "reports a receive");
-    Pair& p = pair(sender, destination);
-    for (std::size_t i = p.head; i < p.queued.size(); ++i)
-      if (!p.queued[i].granted && !p.queued[i].receivable && p.queued[i].tag == tag) {
-        p.queued[i].receivable = true;
-        return;
-      }
-    p.receiving.push_back(tag);
-  }
-
-  // One granted piece from `sender` to `destination` has left; frees the link once its batch has.
-  void sent(int sender, int destination) {
-    check_pair(sender, destination, "reports a finished send");
-    Pair& p = pair(sender, destination);
-    if (p.batches_head == p.batches.size())
-      throw Error(ErrorKind::protocol, {.peer = sender, .operation = "coordinator"},
-                  fmt::format("rank reports a finished send to group rank {} that was never granted", destination));
-    if (++p.sent_of_front < p.batches[p.batches_head]) return;
-    p.sent_of_front = 0;
-    if (++p.batches_head == p.batches.size()) {
-      p.batches.clear();
-      p.batches_head = 0;
-    }
-    --uplink_[sender];
-    --downlink_[destination];
-  }
-
-  // Grants every batch the links allow now: grant(sender, destination, tasks) for each.
-  template <class Grant>
-  void plan(Grant&& grant) {
-    for (;;) {
-      Pair* best = nullptr;
-      std::size_t best_first = 0;
-      int best_sender = 0, best_destination = 0;
-      for (int s = 0; s < ranks_; ++s) {
-        if (uplink_[s] >= limits_.window) continue;
-        for (int d = 0; d < ranks_; ++d) {
-          if (downlink_[d] >= limits_.window) continue;
-          Pair& p = pair(s, d);
-          const std::size_t first = p.first_grantable();
-          if (first < p.queued.size() && (!best || p.queued[first].arrival < best->queued[best_first].arrival)) {
-            best = &p;
-            best_first = first;
-            best_sender = s;
-            best_destination = d;
-          }
-        }
-      }
-      if (!best) return;
-      batch_.clear();
-      std::size_t bytes = 0;
-      for (std::size_t i = best_first; i < best->queued.size() && (batch_.empty() || bytes < limits_.batch_bytes);
-           ++i) {
-        Piece& piece = best->queued[i];
-        if (piece.granted || !piece.receivable) continue;
-        piece.granted = true;
-        bytes += piece.bytes;
-        batch_.push_back(piece.task);
-      }
-      while (best->head < best->queued.size() && best->queued[best->head].granted) ++best->head;
-      if (best->head == best->queued.size()) {
-        best->queued.clear();
-        best->head = 0;
-      }
-      queued_ -= batch_.size();
-      best->batches.push_back(static_cast<std::uint32_t>(batch_.size()));
-      ++uplink_[best_sender];
-      ++downlink_[best_destination];
-      grant(best_sender, best_destination, std::span<const std::uint64_t>(batch_));
-    }
-  }
-
-  std::size_t queued() const noexcept { return queued_; }
-  int uplink_batches(int rank) const { return uplink_[rank]; }
-  int downlink_batches(int rank) const { return downlink_[rank]; }
-
- private:
-  struct Piece {
-    std::uint64_t task;
-    std::uint64_t tag;
-    std::uint32_t bytes;
-    std::uint64_t arrival;
-    bool receivable;  // its receive is posted: once granted, nothing but the network holds it up
-    bool granted = false;
-  };
-  struct Pair {
-    std::vector<Piece> queued;  // reported, oldest first; those before `head` all granted
-    std::size_t head = 0;
-    std::vector<std::uint64_t> receiving;  // receives posted before their piece was reported
-    std::vector<std::uint32_t> batches;    // pieces in each granted batch not yet freed, oldest first
-    std::size_t batches_head = 0;
-    std::uint32_t sent_of_front = 0;  // finished sends counted towards the oldest batch
-
-    std::size_t first_grantable() const {
-      std::size_t i = head;
-      while (i < queued.size() && (queued[i].granted || !queued[i].receivable)) ++i;
-      return i;
-    }
-  };
-
-  Pair& pair(int s, int d) { return pairs_[static_cast<std::size_t>(s) * ranks_ + d]; }
-
-  void check_pair(int s, int d, const char* what) const {
-    if (s < 0 || s >= ranks_ || d < 0 || d >= ranks_ || s == d)
-      throw Error(ErrorKind::protocol, {.peer = s, .operation = "coordinator"},
-                  fmt::format("rank {} {} for group rank {} (group of {})", s, what, d, ranks_));
-  }
-
-  int ranks_;
-  Coordination limits_;
-  std::vector<Pair> pairs_;
-  std::vector<int> uplink_;    // batches in flight from each rank
-  std::vector<int> downlink_;  // batches in flight to each rank
-  std::uint64_t arrivals_ = 0;
-  std::size_t queued_ = 0;
-  std::vector<std::uint64_t> batch_;
-};
-
-// ---- the wire ----------------------------------------------------------------------------------
-//
-// A message is a Header followed by `count` entries: ReportEntry for reports (rank -> coordinator),
-// a task id (u64) for grants (coordinator -> rank). Host byte order, as every gradsync message.
-namespace coordinator_wire {
-
-inline constexpr std::uint32_t magic = 0x4f435347;  // "GSCO"
-inline constexpr std::uint16_t version = 1;
-inline constexpr std::size_t max_entries = 256;
-
-enum class Kind : std::uint16_t { report = 1, grant = 2 };
-// ready: a piece for `peer` of `bytes`, message `tag`, the sender's `task`; receiving: the sender
-// has posted the receive for message `tag` from `peer`; sent: a granted piece to `peer` has left;
-// finished: the sender's iteration is over; plan: the sender's new plan sends up to `bytes` pieces
-// to `peer` per iteration, `task` pieces to all peers together.
-enum class Event : std::uint32_t { ready = 1, receiving = 2, sent = 3, finished = 4, plan = 5 };
-
-struct Header {
-  std::uint32_t magic;
-  std::uint16_t version;
-  Kind kind;
-  std::uint32_t sender;  // group rank
-  std::uint32_t count;
-};
-
-struct ReportEntry {
-  Event event;
-  std::uint32_t peer;  // group rank
-  std::uint64_t tag;
-  std::uint64_t task;
-  std::uint64_t bytes;
-};
-
-static_assert(sizeof(Header) == 16 && sizeof(ReportEntry) == 32);
-
-template <class Entry>
-constexpr std::size_t message_bytes(std::size_t entries) {
-  return sizeof(Header) + entries * sizeof(Entry);
-}
-
-// Writes a message into `out` (sized for max_entries) and returns its length.
-template <class Entry>
-std::size_t write(std::span<std::byte> out, Kind kind, int sender, std::span<const Entry> entries) {
-  const Header header{magic, version, kind, static_cast<std::uint32_t>(sender),
-                      static_cast<std::uint32_t>(entries.size())};
-  std::memcpy(out.data(), &header, sizeof header);
-  if (!entries.empty()) std::memcpy(out.data() + sizeof header, entries.data(), entries.size_bytes());
-  return message_bytes<Entry>(entries.size());
-}
-
-// Checks a received message from group rank `sender` and copies its entries into `out`.
-template <class Entry>
-void read(std::span<const std::byte> in, Kind kind, int sender, std::vector<Entry>& out) {
-  const auto bad = [&](std::string why) {
-    return Error(
-        ErrorKind::protocol, {.operation = "coordinator"},
-        fmt::format("{} message from group rank {}: {}", kind == Kind::report ? "report" : "grant", sender, why));
-  };
-  Header header;
-  if (in.size() < sizeof header) throw bad(fmt::format("{} bytes, shorter than its header", in.size()));
-  std::memcpy(&header, in.data(), sizeof header);
-  if (header.magic != magic) throw bad("not a coordinator message");
-  if (header.version != version)
-    throw bad(fmt::format("wire version {}, this build speaks {}", header.version, version));
-  if (header.kind != kind || header.sender != static_cast<std::uint32_t>(sender)) throw bad("wrong kind or sender");
-  if (header.count > max_entries || in.size() != message_bytes<Entry>(header.count))
-    throw bad(fmt::format("{} entries in {} bytes", header.count, in.size()));
-  out.resize(header.count);
-  if (header.count) std::memcpy(out.data(), in.data() + sizeof header, header.count * sizeof(Entry));
-}
-
-}  // namespace coordinator_wire
-
-// ---- one rank's end of the protocol --------------------------------------------------------------
 //
 // Served by the task graph's communication thread only. Every rank keeps two report buffers (so
 // one report can be written while the previous is on its way); the coordinator keeps one standing
@@ -277,11 +14,28 @@ void read(std::span<const std::byte> in, Kind kind, int sender, std::vector<Entr
 // messages. Each direction numbers its messages, so a standing receive only ever matches the
 // next one. A standing receive that fails (its peer went away) is kept as `lost()`: the task graph
 // fails with it as soon as it needs that peer's reports or grants.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/engine/coordinator/planner.hpp"
+#include "gradsync/engine/coordinator/wire.hpp"
+#include "gradsync/engine/tag.hpp"
+#include "gradsync/options.hpp"
+
+namespace gradsync::engine {
+
 template <TransportPolicy X>
 class CoordinatorChannel {
  public:
-  static constexpr std::uint32_t report_message = 0x80000000u;  // tag message ids, bucket control_bucket
-  static constexpr std::uint32_t grant_message = 0x80000001u;
   static constexpr std::uint64_t max_pieces = std::uint64_t{1} << 24;  // per rank and iteration
 
   // Completions of this channel's requests go to `sink` as id_base + request index.
@@ -442,8 +196,6 @@ class CoordinatorChannel {
   bool outgoing_report(std::size_t i) const noexcept { return !coordinator_ && i < 2; }
   int peer_of_grant(std::size_t i) const noexcept { return static_cast<int>((i - group_.size()) / 2); }
 
-  std::uint64_t tag(std::uint32_t message, std::uint64_t seq) const { return make_tag(seq, control_bucket, message); }
-
   void record(const coordinator_wire::ReportEntry& entry) {
     if (coordinator_) return apply(0, entry);
     unreported_.push_back(entry);  // reserved by announce() for a whole iteration
@@ -480,13 +232,13 @@ class CoordinatorChannel {
 
   void post_report_receive(int peer) {
     busy_[peer] = 1;
-    transport_.recv(requests_[peer], group_.members[peer], tag(report_message, report_seq_[peer]++),
+    transport_.recv(requests_[peer], group_.members[peer], control_tag(report_seq_[peer]++, ControlMessage::coordinator_report),
                     std::span(buffers_[peer].data(), buffers_[peer].size()));
   }
 
   void post_grant_receive() {
     busy_[2] = 1;
-    transport_.recv(requests_[2], group_.members[0], tag(grant_message, grant_seq_[0]++),
+    transport_.recv(requests_[2], group_.members[0], control_tag(grant_seq_[0]++, ControlMessage::coordinator_grant),
                     std::span(buffers_[2].data(), buffers_[2].size()));
   }
 
@@ -494,7 +246,7 @@ class CoordinatorChannel {
     for (std::size_t i = 0; i < 2 && unreported_head_ < unreported_.size(); ++i) {
       if (busy_[i]) continue;
       const std::size_t count = std::min(coordinator_wire::max_entries, unreported_.size() - unreported_head_);
-      post(i, 0, tag(report_message, report_seq_[0]++),
+      post(i, 0, control_tag(report_seq_[0]++, ControlMessage::coordinator_report),
            coordinator_wire::write(
                std::span(buffers_[i].data(), buffers_[i].size()), coordinator_wire::Kind::report, group_.rank,
                std::span<const coordinator_wire::ReportEntry>(unreported_).subspan(unreported_head_, count)));
@@ -513,7 +265,7 @@ class CoordinatorChannel {
       const std::size_t i = group_.size() + 2 * static_cast<std::size_t>(peer) + k;
       if (busy_[i]) continue;
       const std::size_t count = std::min(coordinator_wire::max_entries, tasks.size() - head);
-      post(i, peer, tag(grant_message, grant_seq_[peer]++),
+      post(i, peer, control_tag(grant_seq_[peer]++, ControlMessage::coordinator_grant),
            coordinator_wire::write(std::span(buffers_[i].data(), buffers_[i].size()), coordinator_wire::Kind::grant, 0,
                                    std::span<const std::uint64_t>(tasks).subspan(head, count)));
       head += count;

@@ -1,0 +1,42 @@
+#pragma once
+// How a message is named on the wire, and every control message's name.
+//
+// A tag carries the iteration (mod 2^16), the bucket and a message id. Data messages take their
+// id from the schedule (Step::message) and their bucket's plan position, so messages of
+// neighbouring iterations or buckets can never be mistaken for each other. Control messages take
+// the bucket id `control_bucket`, which no plan can give a bucket, and an id from ControlMessage:
+// this enum is the one place control ids are assigned.
+
+#include <cstdint>
+#include <cstddef>
+
+namespace gradsync::engine {
+
+inline constexpr std::uint32_t control_bucket = 0xffff;
+inline constexpr std::size_t max_buckets = control_bucket;  // bucket ids 0..0xfffe
+
+constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, std::uint32_t message) noexcept {
+  return ((iteration & 0xffffu) << 48) | (static_cast<std::uint64_t>(bucket & 0xffffu) << 32) | message;
+}
+
+// Control message ids (in bucket `control_bucket`). A length-prefixed message (ControlChannel)
+// takes two ids: its length travels as `id`, its payload as `id + 1`.
+enum class ControlMessage : std::uint32_t {
+  layout = 0,                  // every rank's layout and policies, to rank 0 (first synchronization)
+  verdict = 2,                 // rank 0's verdict on them: empty, or what differs
+  plan = 4,                    // the agreed bucket plan, from rank 0, when the bucketing policy asks
+  calibration = 6,             // selective compression's fitted costs, to rank 0 and back
+  calibration_probe = 8,       // its timed transfers: probe k takes id 8 + k (raw bytes, no length)
+  coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
+  coordinator_grant = 0x80000001u,   // coordinator -> rank
+};
+
+constexpr std::uint32_t id(ControlMessage m) noexcept { return static_cast<std::uint32_t>(m); }
+
+// The tag of control message `m` (plus `offset`), numbered `sequence` (an iteration, or a
+// per-direction message count for the coordinator's streams).
+constexpr std::uint64_t control_tag(std::uint64_t sequence, ControlMessage m, std::uint32_t offset = 0) noexcept {
+  return make_tag(sequence, control_bucket, id(m) + offset);
+}
+
+}  // namespace gradsync::engine
