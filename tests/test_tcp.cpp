@@ -9,7 +9,7 @@
 
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
-#include "gradsync/transport/tcp_wire.hpp"
+#include "transport/tcp/wire.hpp"  // private to the library: src/
 #include "processes.hpp"
 #include "support.hpp"
 

@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "../intrusive_queue.hpp"
+#include "detail/intrusive_queue.hpp"
 
 namespace gradsync::transport {
 

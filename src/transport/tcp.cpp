@@ -16,9 +16,10 @@
 #include <netinet/tcp.h>
 #include <fmt/format.h>
 
-#include "../intrusive_queue.hpp"
+#include "detail/hmac.hpp"
+#include "detail/intrusive_queue.hpp"
 #include "gradsync/launch/environment.hpp"
-#include "gradsync/transport/tcp_wire.hpp"
+#include "transport/tcp/wire.hpp"
 
 namespace gradsync::transport {
 

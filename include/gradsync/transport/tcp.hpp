@@ -16,7 +16,7 @@
 // anything is read, and against the receive it is matched to. A payload is read straight into the
 // receive buffer it matches; a frame nobody has asked for yet waits in its socket (nothing is
 // buffered on the frame's say-so). A connection that closes or breaks fails every operation with
-// that peer at once. The wire format is in tcp_wire.hpp.
+// that peer at once. The wire format is in src/transport/tcp/wire.hpp.
 
 #include <atomic>
 #include <chrono>
