@@ -19,6 +19,7 @@
 #include "detail/hmac.hpp"
 #include "detail/intrusive_queue.hpp"
 #include "gradsync/launch/environment.hpp"
+#include "transport/matcher.hpp"
 #include "transport/tcp/wire.hpp"
 
 namespace gradsync::transport {
@@ -149,7 +150,7 @@ class TcpEngine {
     // A message to ourselves, or a receive nobody has started filling, is simply withdrawn;
     // anything already on the wire cannot be, so the connection to that peer is given up.
     const bool withdrawn = r.peer_ == options_.rank
-                               ? (r.is_send_ ? self_sends_ : self_receives_).remove(&r)
+                               ? to_self_.withdraw(r)
                                : !r.is_send_ && peers_[static_cast<std::size_t>(r.peer_)].receives.remove(&r);
     if (withdrawn) {
       r.state_ = Request::State::idle;
@@ -246,19 +247,17 @@ class TcpEngine {
   // A message to ourselves is matched and copied here, under the lock, as the in-process
   // transport would.
   void post_to_self(Request& r) {
-    auto& other = r.is_send_ ? self_receives_ : self_sends_;
-    Request* match = other.take_if([&](const Request* o) { return o->tag_ == r.tag_; });
-    if (!match) return (r.is_send_ ? self_sends_ : self_receives_).push(&r);
-    Request& send = r.is_send_ ? r : *match;
-    Request& receive = r.is_send_ ? *match : r;
-    if (send.size_ > receive.size_) {
+    const auto match = to_self_.match_or_queue(r, [&](const Request&) { return options_.rank; });
+    if (!match) return;
+    Request& send = match->send;
+    Request& receive = match->receive;
+    if (!Matcher<Request>::copy(*match)) {
       const Error e(ErrorKind::protocol, where(options_.rank, "recv"),
                     fmt::format("message of {} bytes does not fit the {}-byte receive", send.size_, receive.size_));
       fail(send, e);
       fail(receive, e);
       return;
     }
-    if (send.size_) std::memcpy(receive.destination_, send.source_, send.size_);
     finish(send, send.size_);
     finish(receive, send.size_);
   }
@@ -431,8 +430,7 @@ class TcpEngine {
         }
         if (!p.failure) p.failure = e;
       }
-      self_sends_.drain([&](Request* r) { fail(*r, *aborted_); });
-      self_receives_.drain([&](Request* r) { fail(*r, *aborted_); });
+      to_self_.drain([&](Request* r) { fail(*r, *aborted_); });
     }
     // A socket in the middle of a frame cannot carry a notice; the others get one if the kernel
     // takes it at once (never waiting on a peer that does not read), then every socket closes.
@@ -738,7 +736,7 @@ class TcpEngine {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<Peer> peers_;
-  IntrusiveQueue<Request> self_sends_, self_receives_;
+  Matcher<Request> to_self_;  // this rank's messages to itself
   std::optional<Error> aborted_;
   std::shared_future<void> aborted_closed_;  // ready once abort() has let go of every buffer
   TcpTraffic traffic_;                       // guarded by mutex_

@@ -38,6 +38,8 @@ namespace gradsync::transport {
 
 namespace detail {
 class TcpEngine;
+template <class Request>
+class Matcher;
 }
 
 struct TcpOptions {
@@ -80,6 +82,8 @@ class Tcp {
     friend class detail::TcpEngine;
     template <class>
     friend class gradsync::detail::IntrusiveQueue;
+    template <class>
+    friend class detail::Matcher;
     State state_ = State::idle;  // guarded by the engine's lock
   };
 
