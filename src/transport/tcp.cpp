@@ -388,7 +388,15 @@ class TcpEngine {
     std::lock_guard lock(mutex_);
     Peer& p = peers_[static_cast<std::size_t>(peer)];
     if (p.failure) return;
-    p.failure = e;
+    fail_pending(p, e);
+    close_sockets(p);
+  }
+
+  // Requires the lock: fails every operation pending with `p` (posted receives, queued sends, the
+  // frames in flight) with `e`, lets go of their buffers, and marks the peer failed unless it was
+  // already: every later operation with it throws the first failure. Its sockets stay open.
+  void fail_pending(Peer& p, const Error& e) {
+    if (!p.failure) p.failure = e;
     p.receives.drain([&](Request* r) { fail(*r, e); });
     for (auto& c : p.connections) {
       if (!c) continue;  // this rank's own entry has no sockets
@@ -397,8 +405,6 @@ class TcpEngine {
       if (c->receiving) fail(*c->receiving, e);
       c->sending = c->receiving = nullptr;
       c->parked.reset();
-      error_code ignored;
-      c->socket.close(ignored);
     }
   }
 
@@ -411,51 +417,44 @@ class TcpEngine {
     done.get_future().wait();
   }
 
-  // On the io thread: a short, best-effort notice to every peer, then every socket closes.
+  // On the io thread: everything pending fails, every peer gets a short, best-effort notice, then
+  // every socket closes.
   void send_abort_notices() {
     std::string reason;
+    // A socket in the middle of a frame cannot carry a notice; the others can.
+    std::vector<Connection*> between_frames;
     {
       std::lock_guard lock(mutex_);
       reason = std::string(aborted_->what()).substr(0, tcp_wire::max_reason_bytes);
       for (std::size_t peer = 0; peer < peers_.size(); ++peer) {
         Peer& p = peers_[peer];
-        const Error e = aborted_->filled(where(static_cast<int>(peer), "abort"));
-        p.receives.drain([&](Request* r) { fail(*r, e); });
-        for (auto& c : p.connections) {
-          if (!c) continue;
-          c->queue.drain([&](Request* r) { fail(*r, e); });
-          if (c->sending) fail(*c->sending, e);
-          if (c->receiving) fail(*c->receiving, e);
-          c->receiving = nullptr;
-        }
-        if (!p.failure) p.failure = e;
+        for (auto& c : p.connections)
+          if (c && !c->sending && c->socket.is_open()) between_frames.push_back(c.get());
+        fail_pending(p, aborted_->filled(where(static_cast<int>(peer), "abort")));
       }
       to_self_.drain([&](Request* r) { fail(*r, *aborted_); });
     }
-    // A socket in the middle of a frame cannot carry a notice; the others get one if the kernel
-    // takes it at once (never waiting on a peer that does not read), then every socket closes.
+    // Each notice goes only if the kernel takes it at once: never waiting on a peer that does not read.
     const auto header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::abort, 0, reason.size()});
     const std::array<asio::const_buffer, 2> notice{asio::buffer(header), asio::buffer(reason)};
-    for (auto& p : peers_)
-      for (auto& c : p.connections) {
-        if (!c) continue;
-        error_code ignored;
-        if (!c->sending && c->socket.is_open()) {
-          c->socket.non_blocking(true, ignored);
-          c->socket.write_some(notice, ignored);
-        }
-        c->socket.close(ignored);
-        c->sending = nullptr;
-      }
+    for (Connection* c : between_frames) {
+      error_code ignored;
+      c->socket.non_blocking(true, ignored);
+      c->socket.write_some(notice, ignored);
+    }
+    close_all();
+  }
+
+  void close_sockets(Peer& p) {
+    for (auto& c : p.connections) {
+      if (!c) continue;
+      error_code ignored;
+      c->socket.close(ignored);
+    }
   }
 
   void close_all() {
-    for (auto& p : peers_)
-      for (auto& c : p.connections) {
-        if (!c) continue;
-        error_code ignored;
-        c->socket.close(ignored);
-      }
+    for (auto& p : peers_) close_sockets(p);
   }
 
   // ---- connection setup, on the constructing thread ----------------------------------------------
