@@ -27,6 +27,7 @@
 #include <string>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/log.hpp"
 #include "gradsync/transport/operation.hpp"
 
 namespace gradsync::detail {
@@ -55,6 +56,7 @@ struct TcpOptions {
   std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
   // TCP congestion control for this job's sockets ("cubic", "bbr", ...); empty: the system's.
   std::string congestion_control;
+  LogSink log = log_to_stderr;  // where setup reports the connections it refuses (log.hpp)
 };
 
 // What one rank has moved over its sockets: data frames and their payload bytes, sent (once

@@ -3,7 +3,7 @@
 // on goes to rank 0, and once all have reported, rank 0 sends back every rank's. Each rank then
 // connects to the ranks below it and accepts the ranks above. Every connection opens with the
 // handshake: hellos both ways, then proofs of the job token both ways. A refused connection is
-// logged and the wait goes on, so a stray process cannot take a job down; the setup timeout's
+// logged (TcpOptions::log) and the wait goes on, so a stray process cannot take a job down; the setup timeout's
 // Error lists the refusals if the real rank never comes.
 //
 // Everything here blocks the constructing thread: each step runs the io_context until it is done
@@ -136,7 +136,7 @@ class Setup {
       const Handshake h = answer(s, deadline);
       if (!h.peer) {
         const std::string line = fmt::format("refused a connection from {}: {}", from, h.refusal);
-        std::fprintf(stderr, "gradsync: rank %d: %s\n", me, line.c_str());
+        log_line(options_.log, fmt::format("gradsync: rank {}: {}", me, line));
         refused.push_back(line);
         continue;
       }
