@@ -5,7 +5,7 @@
 #include <map>
 #include <string>
 
-#include "gradsync/detail/hmac.hpp"
+#include "detail/hmac.hpp"  // private to the library: src/
 #include "gradsync/error.hpp"
 #include "gradsync/launch/environment.hpp"
 

@@ -6,10 +6,11 @@
 #include <arpa/inet.h>
 
 #include <cstring>
+#include <mutex>
 
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
-#include "gradsync/transport/tcp_wire.hpp"
+#include "transport/tcp/wire.hpp"  // private to the library: src/
 #include "processes.hpp"
 #include "support.hpp"
 
@@ -266,6 +267,35 @@ TEST_SUITE("tcp") {
       for (const auto& text : c.rank1_says) CHECK(contains(results[1].report, text));
       for (const auto& text : c.rank0_says) CHECK(contains(results[0].report, text));
     }
+  }
+
+  TEST_CASE("a refused connection's line goes to TcpOptions::log") {
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, 2, port);
+      o.setup_timeout = 2s;
+      if (rank == 1) {
+        o.token = "not-the-job-token";
+        Tcp t(o);
+        return "connected";
+      }
+      std::mutex mutex;
+      std::vector<std::string> lines;
+      o.log = [&](std::string_view line) {
+        std::lock_guard lock(mutex);
+        lines.emplace_back(line);
+      };
+      try {
+        Tcp t(o);
+      } catch (const Error&) {
+        // The setup times out waiting for the real rank 1: expected.
+      }
+      std::lock_guard lock(mutex);
+      return lines.size() == 1 ? lines[0] : fmt::format("{} lines logged", lines.size());
+    });
+    CAPTURE(results[0].report);
+    CHECK(results[0].report.starts_with("gradsync: rank 0: refused a connection from 127.0.0.1:"));
+    CHECK(contains(results[0].report, "GRADSYNC_TOKEN"));
   }
 
   TEST_CASE("a peer speaking another wire version is refused, and both sides say why") {

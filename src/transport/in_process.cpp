@@ -1,12 +1,11 @@
 #include "gradsync/transport/in_process.hpp"
 
 #include <condition_variable>
-#include <cstring>
 #include <mutex>
 
 #include <fmt/format.h>
 
-#include "../intrusive_queue.hpp"
+#include "transport/matcher.hpp"
 
 namespace gradsync::transport {
 
@@ -18,10 +17,8 @@ using Request = InProcess::Request;
 // happen under this lock, so a rank that aborts cannot free a buffer that is being read.
 struct Mailbox {
   std::mutex mutex;
-  gradsync::detail::IntrusiveQueue<Request> receives;
-  gradsync::detail::IntrusiveQueue<Request> sends;
+  Matcher<Request> waiting;
 };
-
 
 // Where a rank sleeps while it waits for one of its requests.
 struct Waker {
@@ -32,10 +29,8 @@ struct Waker {
 struct InProcessWorld {
   explicit InProcessWorld(int n) : size(n), mailboxes(n), wakers(n) {}
 
-  // Matches the first request posted by `owner` for `peer` with `tag`.
-  static auto between(int owner, int peer, std::uint64_t tag) {
-    return [=](const Request* r) { return r->owner_ == owner && r->peer_ == peer && r->tag_ == tag; };
-  }
+  // The rank whose send `r` is, or waits for. (Every request in a mailbox is addressed to its rank.)
+  static int sender_of(const Request& r) { return r.is_send_ ? r.owner_ : r.peer_; }
 
   const int size;
   std::vector<Mailbox> mailboxes;
@@ -61,10 +56,12 @@ struct InProcessWorld {
     finish(r, Request::State::failed);
   }
 
-  // Moves `send`'s bytes into `receive` and completes both; a message too big for the receive
+  // Moves the send's bytes into the receive and completes both; a message too big for the receive
   // fails both with the same explanation.
-  void transfer(Request& send, Request& receive) {
-    if (send.size_ > receive.size_) {
+  void transfer(const Matcher<Request>::Match& m) {
+    Request& send = m.send;
+    Request& receive = m.receive;
+    if (!Matcher<Request>::copy(m)) {
       // Everything is read before either request is handed back: its owner may reuse it at once.
       const int sender = send.owner_, receiver = receive.owner_;
       const auto detail = fmt::format("message of {} bytes (tag {:#x}) does not fit the {}-byte receive", send.size_,
@@ -73,7 +70,6 @@ struct InProcessWorld {
       fail(receive, Error(ErrorKind::protocol, {.rank = receiver, .peer = sender, .operation = "recv"}, detail));
       return;
     }
-    if (send.size_ != 0) std::memcpy(receive.destination_, send.source_, send.size_);
     send.transferred_ = receive.transferred_ = send.size_;
     finish(send, Request::State::done);
     finish(receive, Request::State::done);
@@ -124,13 +120,7 @@ void InProcess::post(Request& r, bool is_send, int peer, std::uint64_t tag, cons
     r.state_.store(Request::State::idle, std::memory_order_relaxed);
     throw world_->failure_seen_by(rank_, operation);
   }
-  if (is_send) {
-    if (Request* receive = box.receives.take_if(detail::InProcessWorld::between(peer, rank_, tag))) return world_->transfer(r, *receive);
-    box.sends.push(&r);
-  } else {
-    if (Request* send = box.sends.take_if(detail::InProcessWorld::between(peer, rank_, tag))) return world_->transfer(*send, r);
-    box.receives.push(&r);
-  }
+  if (const auto match = box.waiting.match_or_queue(r, detail::InProcessWorld::sender_of)) world_->transfer(*match);
 }
 
 void InProcess::send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
@@ -166,7 +156,7 @@ std::size_t InProcess::wait(Request& r, std::chrono::steady_clock::time_point de
     auto& box = world_->mailboxes[r.is_send_ ? r.peer_ : rank_];
     std::lock_guard lock(box.mutex);
     if (!settled()) {
-      (r.is_send_ ? box.sends : box.receives).remove(&r);
+      box.waiting.withdraw(r);
       r.state_.store(Request::State::idle, std::memory_order_relaxed);
       throw Error(ErrorKind::timeout, {.rank = rank_, .peer = r.peer_, .operation = r.is_send_ ? "send" : "recv"},
                   fmt::format("rank {} posted no matching {} (tag {:#x}) before the deadline", r.peer_,
@@ -189,8 +179,7 @@ void InProcess::abort(const Error& cause) {
   for (auto& box : world_->mailboxes) {
     std::lock_guard lock(box.mutex);
     const auto fail = [&](Request* r) { world_->fail(*r, world_->failure_seen_by(r->owner_, r->is_send_ ? "send" : "recv")); };
-    box.sends.drain(fail);
-    box.receives.drain(fail);
+    box.waiting.drain(fail);
   }
 }
 

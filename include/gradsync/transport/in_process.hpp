@@ -28,6 +28,8 @@ namespace gradsync::transport {
 
 namespace detail {
 struct InProcessWorld;
+template <class Request>
+class Matcher;
 }
 
 class InProcess {
@@ -44,6 +46,8 @@ class InProcess {
     friend struct detail::InProcessWorld;
     template <class>
     friend class gradsync::detail::IntrusiveQueue;
+    template <class>
+    friend class detail::Matcher;
     friend class InProcess;
     std::atomic<State> state_{State::idle};  // completions come from other ranks' threads
     int owner_ = -1;                         // the rank that posted it

@@ -16,7 +16,7 @@
 // anything is read, and against the receive it is matched to. A payload is read straight into the
 // receive buffer it matches; a frame nobody has asked for yet waits in its socket (nothing is
 // buffered on the frame's say-so). A connection that closes or breaks fails every operation with
-// that peer at once. The wire format is in tcp_wire.hpp.
+// that peer at once. The wire format is in src/transport/tcp/wire.hpp.
 
 #include <atomic>
 #include <chrono>
@@ -27,6 +27,7 @@
 #include <string>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/log.hpp"
 #include "gradsync/transport/operation.hpp"
 
 namespace gradsync::detail {
@@ -38,6 +39,8 @@ namespace gradsync::transport {
 
 namespace detail {
 class TcpEngine;
+template <class Request>
+class Matcher;
 }
 
 struct TcpOptions {
@@ -53,6 +56,7 @@ struct TcpOptions {
   std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
   // TCP congestion control for this job's sockets ("cubic", "bbr", ...); empty: the system's.
   std::string congestion_control;
+  LogSink log = log_to_stderr;  // where setup reports the connections it refuses (log.hpp)
 };
 
 // What one rank has moved over its sockets: data frames and their payload bytes, sent (once
@@ -80,6 +84,8 @@ class Tcp {
     friend class detail::TcpEngine;
     template <class>
     friend class gradsync::detail::IntrusiveQueue;
+    template <class>
+    friend class detail::Matcher;
     State state_ = State::idle;  // guarded by the engine's lock
   };
 

@@ -1,10 +1,6 @@
-// The non-template parts of the core vocabulary: error messages, names, groups.
+#include "gradsync/error.hpp"
 
 #include <fmt/format.h>
-
-#include "gradsync/error.hpp"
-#include "gradsync/schedule.hpp"
-#include "gradsync/types.hpp"
 
 namespace gradsync {
 
@@ -49,23 +45,6 @@ Error Error::filled(const ErrorContext& outer) const {
   if (!c.bucket) c.bucket = outer.bucket;
   if (c.operation.empty()) c.operation = outer.operation;
   return Error(kind_, std::move(c), detail_);
-}
-
-std::string to_string(Device d) {
-  return d.kind == Device::Kind::cpu ? std::string("cpu") : fmt::format("cuda:{}", d.index);
-}
-
-TensorView view(std::span<std::uint16_t> s, DType dtype, Device d) {
-  if (size_of(dtype) != sizeof(std::uint16_t))
-    throw Error(ErrorKind::invalid_argument, {.operation = "view"},
-                fmt::format("16-bit storage cannot hold {} values", to_string(dtype)));
-  return {s.data(), s.size(), dtype, d};
-}
-
-Group Group::world(int rank, int size) {
-  Group g{.rank = rank, .members = std::vector<int>(static_cast<std::size_t>(size))};
-  for (int i = 0; i < size; ++i) g.members[static_cast<std::size_t>(i)] = i;
-  return g;
 }
 
 }  // namespace gradsync

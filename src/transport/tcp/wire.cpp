@@ -1,8 +1,10 @@
-#include "gradsync/transport/tcp_wire.hpp"
+#include "transport/tcp/wire.hpp"
 
 #include <cstring>
 
 #include <fmt/format.h>
+
+#include "detail/hmac.hpp"
 
 namespace gradsync::transport::tcp_wire {
 

@@ -24,8 +24,6 @@
 #include <string>
 #include <string_view>
 
-#include "gradsync/detail/hmac.hpp"
-
 namespace gradsync::transport::tcp_wire {
 
 inline constexpr std::array<std::byte, 4> magic{std::byte{'G'}, std::byte{'S'}, std::byte{'Y'}, std::byte{'N'}};

@@ -1,4 +1,4 @@
-#include "gradsync/detail/hmac.hpp"
+#include "detail/hmac.hpp"
 
 #include <cstring>
 #include <vector>

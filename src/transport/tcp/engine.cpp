@@ -1,0 +1,389 @@
+// TcpEngine (engine.hpp): posting, waiting and aborting on the callers' threads; writing and
+// reading frames on the io thread. A payload is read straight into the receive it matches; a
+// frame nobody has asked for yet parks, and its socket is not read further until a matching
+// receive is posted, so nothing is buffered on a frame's say-so. Any failure on a socket fails
+// every operation with that peer at once.
+
+#include "transport/tcp/engine.hpp"
+
+#include <boost/asio.hpp>
+#include <fmt/format.h>
+
+#include "transport/tcp/errors.hpp"
+#include "transport/tcp/setup.hpp"
+
+namespace gradsync::transport::detail {
+
+namespace asio = boost::asio;
+using boost::system::error_code;
+
+namespace {
+
+void count(TcpTraffic::Count& c, std::uint64_t bytes) {
+  ++c.messages;
+  c.bytes += bytes;
+}
+
+}  // namespace
+
+TcpEngine::TcpEngine(const TcpOptions& options) : options_(options), peers_(static_cast<std::size_t>(options.world_size)) {
+  auto sockets = connect_job(io_, options_);
+  const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
+  for (std::size_t peer = 0; peer < peers_.size(); ++peer)
+    for (auto& s : sockets[peer]) {
+      auto& connections = peers_[peer].connections;
+      const bool express = connections.size() == data_sockets;  // the one after the data sockets
+      connections.push_back(std::make_unique<Connection>(std::move(s), static_cast<int>(peer), express));
+      read_header(*connections.back());
+    }
+  work_.emplace(asio::make_work_guard(io_));
+  io_.restart();
+  io_thread_ = std::thread([this] { io_.run(); });
+}
+
+TcpEngine::~TcpEngine() {
+  work_.reset();
+  asio::post(io_, [this] { close_all(); });
+  io_thread_.join();
+}
+
+TcpTraffic TcpEngine::traffic() {
+  std::lock_guard lock(mutex_);
+  return traffic_;
+}
+
+std::string TcpEngine::describe() const {
+  return options_.express_lane_bytes == 0
+             ? fmt::format("tcp(connections={})", options_.connections_per_peer)
+             : fmt::format("tcp(connections={}, express lane up to {} bytes)", options_.connections_per_peer,
+                           options_.express_lane_bytes);
+}
+
+void TcpEngine::post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source,
+                     std::byte* destination, std::size_t size) {
+  const char* operation = is_send ? "send" : "recv";
+  if (peer < 0 || peer >= options_.world_size)
+    throw Error(ErrorKind::invalid_argument, where(peer, operation),
+                fmt::format("no rank {} in a world of {}", peer, options_.world_size));
+  std::lock_guard lock(mutex_);
+  if (r.state_ == Request::State::pending)
+    throw Error(ErrorKind::invalid_argument, where(peer, operation), "request reused while still pending");
+  if (aborted_) throw aborted_->filled(where(peer, operation));
+  Peer& p = peers_[static_cast<std::size_t>(peer)];
+  if (p.failure) throw *p.failure;
+  r.start(is_send, peer, tag, source, destination, size);
+  r.state_ = Request::State::pending;
+  if (peer == options_.rank) return post_to_self(r);
+  if (is_send) {
+    const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
+    const bool express = options_.express_lane_bytes > 0 && size <= options_.express_lane_bytes;
+    Connection& c = express ? *p.connections.back() : *p.connections[p.next_connection++ % data_sockets];
+    c.queue.push(&r);
+    if (!c.writing) {
+      c.writing = true;
+      asio::post(io_, [this, &c] { write_next(c); });
+    }
+    return;
+  }
+  for (auto& c : p.connections)
+    if (c->parked && c->parked->tag == tag) return start_payload(*c, r);
+  p.receives.push(&r);
+}
+
+bool TcpEngine::test(Request& r) {
+  std::lock_guard lock(mutex_);
+  return settled(r);
+}
+
+std::size_t TcpEngine::wait(Request& r, Clock::time_point deadline) {
+  std::unique_lock lock(mutex_);
+  if (r.state_ == Request::State::idle)
+    throw Error(ErrorKind::invalid_argument, where(r.peer_, "wait"), "request was never posted");
+  if (cv_.wait_until(lock, deadline, [&] { return r.state_ != Request::State::pending; })) {
+    settled(r);
+    return r.transferred_;
+  }
+  const Error timeout(ErrorKind::timeout, where(r.peer_, r.is_send_ ? "send" : "recv"),
+                      fmt::format("no progress on a {} of {} bytes (tag {:#x}) with rank {} before the deadline",
+                                  r.is_send_ ? "send" : "receive", r.size_, r.tag_, r.peer_));
+  // A message to ourselves, or a receive nobody has started filling, is simply withdrawn;
+  // anything already on the wire cannot be, so the connection to that peer is given up.
+  const bool withdrawn = r.peer_ == options_.rank
+                             ? to_self_.withdraw(r)
+                             : !r.is_send_ && peers_[static_cast<std::size_t>(r.peer_)].receives.remove(&r);
+  if (withdrawn) {
+    r.state_ = Request::State::idle;
+    throw timeout;
+  }
+  lock.unlock();
+  fail_peer_and_wait(r.peer_, timeout);
+  throw timeout;
+}
+
+void TcpEngine::abort(const Error& cause) {
+  std::shared_future<void> closed;
+  {
+    std::lock_guard lock(mutex_);
+    if (!aborted_) {
+      aborted_ = cause;
+      // Tell every peer why, then close, on the io thread; every caller waits for that, so
+      // that no socket still reads into or writes from a buffer the caller is about to free.
+      auto done = std::make_shared<std::promise<void>>();
+      aborted_closed_ = done->get_future().share();
+      asio::post(io_, [this, done] {
+        send_abort_notices();
+        done->set_value();
+      });
+    }
+    closed = aborted_closed_;
+  }
+  closed.wait();
+}
+
+ErrorContext TcpEngine::where(int peer, std::string operation) const {
+  return error_context(options_.rank, peer, std::move(operation));
+}
+
+// ---- completing requests, under the lock ----------------------------------------------------------
+
+// Throws the request's error if it failed.
+bool TcpEngine::settled(Request& r) {
+  switch (r.state_) {
+    case Request::State::done: return true;
+    case Request::State::failed: throw *r.error_;
+    case Request::State::pending: return false;
+    case Request::State::idle: break;
+  }
+  throw Error(ErrorKind::invalid_argument, where(r.peer_, "test"), "request was never posted");
+}
+
+void TcpEngine::finish(Request& r, std::size_t bytes) {
+  r.transferred_ = bytes;
+  r.state_ = Request::State::done;
+  cv_.notify_all();
+  r.report();
+}
+
+void TcpEngine::fail(Request& r, const Error& e) {
+  r.error_ = e;
+  r.state_ = Request::State::failed;
+  cv_.notify_all();
+  r.report();
+}
+
+// A message to ourselves is matched and copied here, under the lock, as the in-process
+// transport would.
+void TcpEngine::post_to_self(Request& r) {
+  const auto match = to_self_.match_or_queue(r, [&](const Request&) { return options_.rank; });
+  if (!match) return;
+  Request& send = match->send;
+  Request& receive = match->receive;
+  if (!Matcher<Request>::copy(*match)) {
+    const Error e(ErrorKind::protocol, where(options_.rank, "recv"),
+                  fmt::format("message of {} bytes does not fit the {}-byte receive", send.size_, receive.size_));
+    fail(send, e);
+    fail(receive, e);
+    return;
+  }
+  finish(send, send.size_);
+  finish(receive, send.size_);
+}
+
+// ---- the data path, on the io thread ----------------------------------------------------------------
+
+void TcpEngine::write_next(Connection& c) {
+  Request* r;
+  {
+    std::lock_guard lock(mutex_);
+    r = c.queue.pop();
+    c.sending = r;
+    if (!r) {
+      c.writing = false;
+      return;
+    }
+  }
+  c.out_header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::data, r->tag_, r->size_});
+  const std::array<asio::const_buffer, 2> buffers{asio::buffer(c.out_header), asio::buffer(r->source_, r->size_)};
+  asio::async_write(c.socket, buffers, [this, &c, r](const error_code& ec, std::size_t) {
+    if (ec) return connection_broke(c.peer, ec);
+    {
+      std::lock_guard lock(mutex_);
+      if (c.sending != r) return;  // failed and handed back meanwhile: not ours to touch
+      c.sending = nullptr;
+      count(c.express ? traffic_.express_sent : traffic_.data_sent, r->size_);
+      finish(*r, r->size_);
+    }
+    write_next(c);
+  });
+}
+
+void TcpEngine::read_header(Connection& c) {
+  asio::async_read(c.socket, asio::buffer(c.in_header), [this, &c](const error_code& ec, std::size_t got) {
+    const int peer = c.peer;
+    if (ec == asio::error::eof && got == 0) return closed_between_frames(c);
+    if (ec) return connection_broke(peer, ec);
+    std::string why;
+    const auto header = tcp_wire::decode_header(c.in_header, why);
+    if (!header) return fail_peer(peer, protocol_error(options_.rank, peer, why));
+    if (header->type == tcp_wire::FrameType::abort) return read_abort_reason(c, header->length);
+    if (header->type != tcp_wire::FrameType::data)
+      return fail_peer(peer, protocol_error(options_.rank, peer,
+                                            fmt::format("unexpected frame type {} after setup", int(header->type))));
+    if (header->length > options_.max_message_bytes)
+      return fail_peer(peer, protocol_error(options_.rank, peer,
+                                            fmt::format("frame of {} bytes exceeds the {}-byte limit", header->length,
+                                                        options_.max_message_bytes)));
+    std::lock_guard lock(mutex_);
+    Peer& p = peers_[static_cast<std::size_t>(peer)];
+    if (p.failure) return;
+    count(c.express ? traffic_.express_received : traffic_.data_received, header->length);
+    c.parked = header;
+    if (Request* r = p.receives.take_if([&](const Request* q) { return q->tag_ == header->tag; })) start_payload(c, *r);
+    // Otherwise the frame waits, and so does this socket, until a matching recv() arrives.
+  });
+}
+
+// Requires the lock: binds the parked frame on `c` to receive `r` and has its payload read.
+void TcpEngine::start_payload(Connection& c, Request& r) {
+  const tcp_wire::FrameHeader header = *c.parked;
+  c.parked.reset();
+  if (header.length > r.size_) {
+    const Error e = protocol_error(options_.rank, r.peer_,
+                                   fmt::format("message of {} bytes (tag {:#x}) does not fit the {}-byte receive",
+                                               header.length, header.tag, r.size_));
+    fail(r, e);
+    // The stream cannot skip the payload without reading it somewhere: give up the peer.
+    asio::post(io_, [this, peer = r.peer_, e] { fail_peer(peer, e); });
+    return;
+  }
+  c.receiving = &r;
+  asio::post(io_, [this, &c, length = header.length] { read_payload(c, length); });
+}
+
+// Reads the payload of `length` bytes into the receive bound to `c`, then the next header.
+void TcpEngine::read_payload(Connection& c, std::uint64_t length) {
+  Request* target;
+  {
+    std::lock_guard lock(mutex_);
+    target = c.receiving;
+  }
+  if (!target) return;  // failed meanwhile
+  asio::async_read(c.socket, asio::buffer(target->destination_, length),
+                   [this, &c, target, length](const error_code& ec, std::size_t) {
+                     if (ec) return connection_broke(c.peer, ec);
+                     {
+                       std::lock_guard lock(mutex_);
+                       if (c.receiving != target) return;  // failed and handed back meanwhile
+                       c.receiving = nullptr;
+                       finish(*target, length);
+                     }
+                     read_header(c);
+                   });
+}
+
+void TcpEngine::read_abort_reason(Connection& c, std::uint64_t length) {
+  const int peer = c.peer;
+  if (length > c.reason.size())
+    return fail_peer(peer, protocol_error(options_.rank, peer, fmt::format("abort notice of {} bytes", length)));
+  asio::async_read(c.socket, asio::buffer(c.reason.data(), length), [this, &c, peer, length](const error_code& ec, std::size_t) {
+    const std::string reason = ec ? std::string("(reason lost)") : std::string(c.reason.data(), length);
+    fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "recv"), fmt::format("rank {} failed: {}", peer, reason)));
+  });
+}
+
+// ---- failures, on the io thread ---------------------------------------------------------------------
+
+// A peer that finished closes all its sockets; what it sent before is still in the others, so
+// the peer counts as gone only once every one of its connections has closed.
+void TcpEngine::closed_between_frames(Connection& c) {
+  {
+    std::lock_guard lock(mutex_);
+    c.closed = true;
+    for (const auto& other : peers_[static_cast<std::size_t>(c.peer)].connections)
+      if (!other->closed) return;
+  }
+  fail_peer(c.peer, Error(ErrorKind::peer_failed, where(c.peer, "connection"),
+                          fmt::format("rank {} closed its connections (it exited or failed)", c.peer)));
+}
+
+void TcpEngine::connection_broke(int peer, const error_code& ec) {
+  if (ec == asio::error::operation_aborted) return;  // we closed it
+  const bool closed = ec == asio::error::eof || ec == asio::error::connection_reset || ec == asio::error::broken_pipe;
+  fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "connection"),
+                        closed ? fmt::format("rank {} closed its connection in the middle of a message (it exited or failed)", peer)
+                               : fmt::format("connection to rank {} failed: {}", peer, ec.message())));
+}
+
+// Every operation with `peer` fails with `e`, and its sockets close.
+void TcpEngine::fail_peer(int peer, const Error& e) {
+  std::lock_guard lock(mutex_);
+  Peer& p = peers_[static_cast<std::size_t>(peer)];
+  if (p.failure) return;
+  fail_pending(p, e);
+  close_sockets(p);
+}
+
+// From a caller's thread: fail_peer on the io thread, and back once it is done.
+void TcpEngine::fail_peer_and_wait(int peer, const Error& e) {
+  std::promise<void> done;
+  asio::post(io_, [&] {
+    fail_peer(peer, e);
+    done.set_value();
+  });
+  done.get_future().wait();
+}
+
+// Requires the lock: fails every operation pending with `p` (posted receives, queued sends, the
+// frames in flight) with `e`, lets go of their buffers, and marks the peer failed unless it was
+// already: every later operation with it throws the first failure. Its sockets stay open.
+void TcpEngine::fail_pending(Peer& p, const Error& e) {
+  if (!p.failure) p.failure = e;
+  p.receives.drain([&](Request* r) { fail(*r, e); });
+  for (auto& c : p.connections) {
+    c->queue.drain([&](Request* r) { fail(*r, e); });
+    if (c->sending) fail(*c->sending, e);
+    if (c->receiving) fail(*c->receiving, e);
+    c->sending = c->receiving = nullptr;
+    c->parked.reset();
+  }
+}
+
+// Everything pending fails, every peer gets a short, best-effort notice, then every socket closes.
+void TcpEngine::send_abort_notices() {
+  std::string reason;
+  // A socket in the middle of a frame cannot carry a notice; the others can.
+  std::vector<Connection*> between_frames;
+  {
+    std::lock_guard lock(mutex_);
+    reason = std::string(aborted_->what()).substr(0, tcp_wire::max_reason_bytes);
+    for (std::size_t peer = 0; peer < peers_.size(); ++peer) {
+      Peer& p = peers_[peer];
+      for (auto& c : p.connections)
+        if (!c->sending && c->socket.is_open()) between_frames.push_back(c.get());
+      fail_pending(p, aborted_->filled(where(static_cast<int>(peer), "abort")));
+    }
+    to_self_.drain([&](Request* r) { fail(*r, *aborted_); });
+  }
+  // Each notice goes only if the kernel takes it at once: never waiting on a peer that does not read.
+  const auto header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::abort, 0, reason.size()});
+  const std::array<asio::const_buffer, 2> notice{asio::buffer(header), asio::buffer(reason)};
+  for (Connection* c : between_frames) {
+    error_code ignored;
+    c->socket.non_blocking(true, ignored);
+    c->socket.write_some(notice, ignored);
+  }
+  close_all();
+}
+
+void TcpEngine::close_sockets(Peer& p) {
+  for (auto& c : p.connections) {
+    error_code ignored;
+    c->socket.close(ignored);
+  }
+}
+
+void TcpEngine::close_all() {
+  for (auto& p : peers_) close_sockets(p);
+}
+
+}  // namespace gradsync::transport::detail

@@ -1,0 +1,119 @@
+#pragma once
+// TcpEngine — transport::Tcp's data path, behind the public class (tcp.hpp) so that no Asio shows
+// there. Callers post sends and receives under one lock; one io thread moves the frames. Sends to
+// a peer take its data sockets in turn, small ones the express lane; receives match frames by tag
+// across all of a peer's sockets. The sockets come from setup.hpp, the frame format from wire.hpp.
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>  // before Asio: Boost 1.74's awaitable.hpp uses std::exchange without it
+#include <vector>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+
+#include "detail/intrusive_queue.hpp"
+#include "gradsync/transport/tcp.hpp"
+#include "transport/matcher.hpp"
+#include "transport/tcp/wire.hpp"
+
+namespace gradsync::transport::detail {
+
+using Request = Tcp::Request;
+
+// One socket to one peer. The io thread owns the socket and the buffers; the queue, the flags and
+// the parked header are shared with callers and guarded by the engine's lock.
+struct Connection {
+  Connection(boost::asio::ip::tcp::socket s, int p, bool lane) : socket(std::move(s)), peer(p), express(lane) {}
+
+  boost::asio::ip::tcp::socket socket;
+  const int peer;
+  const bool express;  // the express lane: carries the small messages
+  gradsync::detail::IntrusiveQueue<Request> queue;  // sends waiting for this socket
+  bool writing = false;
+  Request* sending = nullptr;
+  std::array<std::byte, tcp_wire::header_bytes> out_header{};
+
+  std::array<std::byte, tcp_wire::header_bytes> in_header{};
+  std::optional<tcp_wire::FrameHeader> parked;  // a data frame nobody has asked for yet
+  Request* receiving = nullptr;
+  bool closed = false;  // the peer closed it cleanly, between frames
+  std::array<char, tcp_wire::max_reason_bytes> reason{};
+};
+
+struct Peer {
+  std::vector<std::unique_ptr<Connection>> connections;  // none for this rank itself
+  gradsync::detail::IntrusiveQueue<Request> receives;   // posted, not yet matched to a frame
+  std::size_t next_connection = 0;
+  std::optional<Error> failure;  // set once: every later operation with this peer throws it
+};
+
+class TcpEngine {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // Sets up every connection (setup.hpp), then starts the io thread.
+  explicit TcpEngine(const TcpOptions& options);
+  ~TcpEngine();
+
+  int rank() const noexcept { return options_.rank; }
+  int size() const noexcept { return options_.world_size; }
+  TcpTraffic traffic();
+  std::string describe() const;
+
+  void post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
+            std::size_t size);
+  bool test(Request& r);
+  std::size_t wait(Request& r, Clock::time_point deadline);
+  void abort(const Error& cause);
+
+ private:
+  ErrorContext where(int peer, std::string operation) const;
+
+  // Completing requests; each requires the lock.
+  bool settled(Request& r);
+  void finish(Request& r, std::size_t bytes);
+  void fail(Request& r, const Error& e);
+  void post_to_self(Request& r);
+
+  // The data path, on the io thread.
+  void write_next(Connection& c);
+  void read_header(Connection& c);
+  void start_payload(Connection& c, Request& r);
+  void read_payload(Connection& c, std::uint64_t length);
+  void read_abort_reason(Connection& c, std::uint64_t length);
+
+  // Failures, on the io thread.
+  void closed_between_frames(Connection& c);
+  void connection_broke(int peer, const boost::system::error_code& ec);
+  void fail_peer(int peer, const Error& e);
+  void fail_peer_and_wait(int peer, const Error& e);
+  void fail_pending(Peer& p, const Error& e);
+  void send_abort_notices();
+  void close_sockets(Peer& p);
+  void close_all();
+
+  TcpOptions options_;
+  boost::asio::io_context io_;
+  std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<Peer> peers_;
+  Matcher<Request> to_self_;  // this rank's messages to itself
+  std::optional<Error> aborted_;
+  std::shared_future<void> aborted_closed_;  // ready once abort() has let go of every buffer
+  TcpTraffic traffic_;                       // guarded by mutex_
+  std::thread io_thread_;
+};
+
+}  // namespace gradsync::transport::detail

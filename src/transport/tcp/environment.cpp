@@ -1,0 +1,41 @@
+// Tcp::options_from_env: TcpOptions from the launcher's variables (launch/environment.hpp) and
+// the transport's own GRADSYNC_* settings. A malformed setting is an Error naming it, not a
+// silent default.
+
+#include <cstdlib>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "gradsync/launch/environment.hpp"
+#include "gradsync/transport/tcp.hpp"
+
+namespace gradsync::transport {
+
+TcpOptions Tcp::options_from_env() {
+  const launch::Launch launch = launch::from_environment();
+  TcpOptions o;
+  o.rank = launch.rank;
+  o.world_size = launch.world_size;
+  o.master_addr = launch.master_addr;
+  o.master_port = launch.master_port;
+  o.token = launch.token;
+  const auto number = [](const char* name, long low, long high) -> std::optional<long> {
+    const auto text = launch::process_environment(name);
+    if (!text) return std::nullopt;
+    char* end = nullptr;
+    const long value = std::strtol(text->c_str(), &end, 10);
+    if (text->empty() || *end != '\0' || value < low || value > high)
+      throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
+                  fmt::format("{}={:?} is not a whole number from {} to {}", name, *text, low, high));
+    return value;
+  };
+  if (const auto listen = launch::process_environment("GRADSYNC_LISTEN_ADDR")) o.listen_addr = *listen;
+  if (const auto c = number("GRADSYNC_CONNECTIONS_PER_PEER", 1, 64)) o.connections_per_peer = static_cast<int>(*c);
+  if (const auto b = number("GRADSYNC_EXPRESS_LANE_BYTES", 0, 1L << 30)) o.express_lane_bytes = static_cast<std::size_t>(*b);
+  if (const auto t = number("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
+  if (const auto cc = launch::process_environment("GRADSYNC_TCP_CONGESTION")) o.congestion_control = *cc;
+  return o;
+}
+
+}  // namespace gradsync::transport
