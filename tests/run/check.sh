@@ -20,6 +20,21 @@ echo "$out"
 [[ $rc -eq 3 ]] || fail "a job whose rank 1 exits with 3 ended with $rc (124 means the others were not stopped)"
 grep -q "rank 1 exited with status 3; stopping the other ranks" <<<"$out" || fail "no word about the failed rank"
 
+# Ranks that exit at the same moment, while the others are being stopped: never a traceback.
+for attempt in $(seq 40); do
+  out=$(timeout 60 "$run" -n 8 /bin/false 2>&1); rc=$?
+  [[ $rc -eq 1 ]] || { echo "$out"; fail "attempt $attempt: 8 ranks of /bin/false ended with $rc"; break; }
+  ! grep -q "Traceback" <<<"$out" || { echo "$out"; fail "attempt $attempt: gradsync-run printed a traceback"; break; }
+done
+
+# One rank fails while the others run: every one of them is stopped, and so is what they started.
+marker="gradsync-run-check-$$"
+out=$(timeout 60 "$run" -n 4 sh -c "if [ \$RANK = 2 ]; then exit 5; fi; sleep 300 # $marker" 2>&1); rc=$?
+echo "$out"
+[[ $rc -eq 5 ]] || fail "a job whose rank 2 exits with 5 ended with $rc"
+sleep 0.5
+! pgrep -f "$marker" >/dev/null || { pgrep -af "$marker"; fail "ranks left running after the job ended"; pkill -f "$marker"; }
+
 out=$(env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE \
       -u SLURM_PROCID -u SLURM_NTASKS "$probe" 2>&1); rc=$?
 echo "$out"
