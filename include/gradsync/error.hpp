@@ -26,9 +26,9 @@ std::string_view to_string(ErrorKind kind) noexcept;
 // Where an error happened. Fields that do not apply stay empty and are left out of the message.
 struct ErrorContext {
   int rank = -1;
-  std::optional<int> peer;
-  std::optional<std::uint32_t> bucket;
-  std::string operation;
+  std::optional<int> peer{};
+  std::optional<std::uint32_t> bucket{};
+  std::string operation{};
 };
 
 class Error : public std::runtime_error {

@@ -46,7 +46,7 @@ struct Options {
   // nothing.
   bool selective_compression = false;
   // Coordinated sends (task graph only). Results do not depend on it.
-  Coordination coordination;
+  Coordination coordination{};
   // Where this Synchronizer and its bucketing policy print (log.hpp): new plans, selective
   // compression's decisions. Nothing is printed per step.
   LogSink log = log_to_stderr;

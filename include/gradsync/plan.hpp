@@ -17,7 +17,7 @@ using Duration = std::chrono::nanoseconds;
 // gradient appears in exactly one bucket, and a bucket's gradients share one accumulation dtype
 // (the Synchronizer checks both). Membership must be identical on every rank.
 struct BucketPlan {
-  std::vector<std::vector<GradId>> buckets;
+  std::vector<std::vector<GradId>> buckets{};
   friend bool operator==(const BucketPlan&, const BucketPlan&) = default;
 };
 
@@ -25,9 +25,9 @@ struct BucketPlan {
 // ready() of the iteration, and the order in which they did.
 struct ReadyProfile {
   std::uint64_t iteration = 0;             // 0-based, the iteration just completed
-  std::span<const GradientInfo> layout;    // indexed by GradId
-  std::span<const Duration> ready_time;    // indexed by GradId
-  std::span<const GradId> order;           // first ready first
+  std::span<const GradientInfo> layout{};    // indexed by GradId
+  std::span<const Duration> ready_time{};    // indexed by GradId
+  std::span<const GradId> order{};           // first ready first
   const LogSink* log = nullptr;            // where the policy may print (Options::log); null: nowhere
 };
 

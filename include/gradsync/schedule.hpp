@@ -14,7 +14,7 @@ namespace gradsync {
 // The ranks taking part in a collective. `members` are transport ranks; `rank` indexes members.
 struct Group {
   int rank = 0;
-  std::vector<int> members;
+  std::vector<int> members{};
 
   int size() const noexcept { return static_cast<int>(members.size()); }
   static Group world(int rank, int size);
@@ -56,8 +56,8 @@ struct PipelineShape {
 };
 
 struct Schedule {
-  std::vector<Step> steps;
-  std::vector<std::size_t> slot_elements;  // elements whose encoding each slot must hold
+  std::vector<Step> steps{};
+  std::vector<std::size_t> slot_elements{};  // elements whose encoding each slot must hold
   int contributors = 0;  // ranks whose values the average covers: the group, less any dedicated servers
 };
 

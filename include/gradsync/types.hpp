@@ -2,6 +2,10 @@
 // The vocabulary every policy shares: element types, devices, a non-owning view of a gradient's
 // memory and the registered layout that all ranks must agree on.
 
+#if __cplusplus < 202002L
+#error "gradsync needs C++20: compile with -std=c++20 (pkg-config --cflags gradsync gives it)"
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -76,7 +80,7 @@ using GradId = std::uint32_t;
 
 // One registered gradient as every rank must see it.
 struct GradientInfo {
-  std::string name;
+  std::string name{};
   std::size_t count = 0;
   DType dtype = DType::f32;
   Device device = Device::cpu();

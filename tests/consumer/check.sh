@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Builds tests/consumer with this checkout as its gradsync subproject, then runs it.
+# Builds tests/consumer with this checkout as its gradsync subproject, then runs it; then builds
+# the same program with nothing but the flags gradsync.pc gives (pkg-config, from the subproject's
+# uninstalled .pc) and -Wall -Wextra -Wpedantic -Werror, and runs that too.
 #   check.sh SOURCE_ROOT WORK_DIR
 set -euo pipefail
 source_root=$1
@@ -12,6 +14,17 @@ ln -s "$source_root" "$work/subprojects/gradsync"
 cd "$work"
 meson setup build --wrap-mode=nodownload
 meson compile -C build
+expected="*: 2 3 4, two-bit 1 0 0"
 output=$(./build/consumer)
 echo "$output"
-[[ $output == "gradsync "*": 2 3 4" ]]
+[[ $output == gradsync\ $expected ]]
+
+export PKG_CONFIG_PATH=$work/build/meson-uninstalled${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+flags=$(pkg-config --cflags --libs gradsync)
+echo "pkg-config: $flags"
+# The library's directory: the uninstalled .pc names it for the linker only.
+libdir=$(pkg-config --variable=libdir gradsync 2>/dev/null || true)
+c++ -Wall -Wextra -Wpedantic -Werror src/main.cpp $flags -pthread -o consumer-pkgconfig
+output=$(LD_LIBRARY_PATH=$(dirname "$(find build -name 'libgradsync.so' | head -1)") ./consumer-pkgconfig)
+echo "$output"
+[[ $output == gradsync\ $expected ]]

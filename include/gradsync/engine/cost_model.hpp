@@ -63,7 +63,7 @@ inline Linear fit(std::span<const std::pair<double, double>> points) {
 }
 
 struct CostModel {
-  Linear encode, decode, transfer;
+  Linear encode{}, decode{}, transfer{};
 
   std::string describe() const {
     const auto show = [](const Linear& l) {
@@ -180,9 +180,9 @@ CostModel calibrate(const C& codec, ControlChannel<X>& control) {
 // A bucket's schedule as selective compression chooses it: compressed or not, its segments cut
 // into the predicted best number of pieces; `explanation` says what was chosen and why, for the log.
 struct ChosenSchedule {
-  Schedule schedule;
+  Schedule schedule{};
   bool compressed = false;
-  std::string explanation;
+  std::string explanation{};
 };
 
 template <CompressionPolicy C, PipelineTopology T>

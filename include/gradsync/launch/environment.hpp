@@ -25,10 +25,10 @@ struct Launch {
   int world_size = 1;
   int local_rank = 0;
   int local_world_size = 1;
-  std::string master_addr;
+  std::string master_addr{};
   std::uint16_t master_port = 29500;
-  std::string token;
-  std::string launcher;  // which family of variables was used, for messages
+  std::string token{};
+  std::string launcher{};  // which family of variables was used, for messages
 };
 
 // Looks a variable up; std::getenv for the process, a map in tests.

@@ -48,14 +48,14 @@ struct TcpOptions {
   int world_size = 1;
   std::string master_addr = "127.0.0.1";
   std::uint16_t master_port = 29500;
-  std::string token;        // the job's shared secret
-  std::string listen_addr;  // address to listen on; empty: every interface
+  std::string token{};        // the job's shared secret
+  std::string listen_addr{};  // address to listen on; empty: every interface
   int connections_per_peer = 1;
   std::size_t express_lane_bytes = 0;  // messages up to this size take a socket of their own; 0: none
   std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);  // for the whole connection phase
   std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
   // TCP congestion control for this job's sockets ("cubic", "bbr", ...); empty: the system's.
-  std::string congestion_control;
+  std::string congestion_control{};
   LogSink log = log_to_stderr;  // where setup reports the connections it refuses (log.hpp)
 };
 
