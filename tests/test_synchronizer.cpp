@@ -566,28 +566,43 @@ TEST_SUITE("synchronizer") {
     }
   }
 
-  TEST_CASE("wait() with a gradient never marked ready names it; the other rank fails too") {
-    const auto errors = test::run_ranks(2, [&](InProcess& t) {
-      std::vector<float> a(8), b(8), c(8);
-      PerTensorSync sync(std::move(t), {.timeout = 300ms});
-      sync.add("layer.a", view(a));
-      sync.add("layer.b", view(b));
-      sync.add("layer.c", view(c));
-      sync.ready(0);
-      sync.ready(2);
-      if (sync.rank() == 0) sync.ready(1);
-      sync.wait();
-    });
-    REQUIRE(errors[1]);
-    CHECK(errors[1]->kind() == ErrorKind::timeout);
-    CHECK(errors[1]->context().rank == 1);
-    CHECK(errors[1]->context().operation == "wait");
-    CHECK(errors[1]->detail().find(R"(1 of 3 gradients were never marked ready on this rank: "layer.b" (id 1))") !=
-          std::string::npos);
-    REQUIRE(errors[0]);
-    CHECK((errors[0]->kind() == ErrorKind::peer_failed || errors[0]->kind() == ErrorKind::timeout));
-    CHECK(errors[0]->context().rank == 0);
-    CHECK(errors[0]->context().peer == 1);
+  TEST_CASE("wait() with a gradient never marked ready fails at once, and every rank learns why") {
+    // With a 5-minute timeout: had anyone waited for it, the test would time out instead. Rank 1
+    // forgets "layer.b"; everyone's Error must name rank 1 and that gradient.
+    const Options graph{.timeout = 5min, .executor = Executor::task_graph};
+    const Options serial{.timeout = 5min, .executor = Executor::serial};
+    for (const Options& options : {graph, serial})
+      for (int attempt = 0; attempt < 5; ++attempt) {
+        CAPTURE(static_cast<int>(options.executor));
+        CAPTURE(attempt);
+        const auto errors = test::run_ranks(3, [&](InProcess& t) {
+          std::vector<float> a(100000), b(8), c(1000);
+          PerTensorSync sync(std::move(t), options);
+          sync.add("layer.a", view(a));
+          sync.add("layer.b", view(b));
+          sync.add("layer.c", view(c));
+          sync.ready(0);
+          sync.ready(2);
+          if (sync.rank() != 1) sync.ready(1);
+          sync.wait();
+        });
+        REQUIRE(errors[1]);
+        CHECK(errors[1]->kind() == ErrorKind::invalid_argument);
+        CHECK(errors[1]->context().rank == 1);
+        CHECK(errors[1]->context().operation == "wait");
+        CHECK(errors[1]->detail().find(R"(1 of 3 gradients never marked ready on this rank: "layer.b" (id 1))") !=
+              std::string::npos);
+        for (int r : {0, 2}) {
+          CAPTURE(r);
+          REQUIRE(errors[static_cast<std::size_t>(r)]);
+          const std::string what = errors[static_cast<std::size_t>(r)]->what();
+          CAPTURE(what);
+          CHECK(errors[static_cast<std::size_t>(r)]->kind() == ErrorKind::peer_failed);
+          CHECK(errors[static_cast<std::size_t>(r)]->context().rank == r);
+          CHECK(what.find("rank 1 failed: ") != std::string::npos);
+          CHECK(what.find(R"(never marked ready on this rank: "layer.b")") != std::string::npos);
+        }
+      }
   }
 
   TEST_CASE("a rank that goes away mid-iteration makes the others fail fast, naming it") {

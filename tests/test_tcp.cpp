@@ -238,6 +238,37 @@ TEST_SUITE("tcp") {
     }
   }
 
+  TEST_CASE("wait() with a gradient never marked ready: every process learns which, and from whom") {
+    // A 5-minute timeout: the others must learn from rank 1's abort notice, not from a deadline.
+    // "layer.a" is big enough that pieces are on the wire when rank 1 gives up.
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      CAPTURE(attempt);
+      const std::uint16_t port = test::free_port();
+      const auto results = test::run_processes(3, [&](int rank) -> std::string {
+        Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(Tcp(options(rank, 3, port)),
+                                                                                        {.timeout = 5min});
+        std::vector<float> a(1 << 20, 1.0f), b(8), c(1000);
+        sync.add("layer.a", view(a));
+        sync.add("layer.b", view(b));
+        sync.add("layer.c", view(c));
+        sync.ready(0);
+        sync.ready(2);
+        if (rank != 1) sync.ready(1);
+        sync.wait();
+        return "ok";
+      });
+      for (int r : {0, 1, 2}) {
+        const std::string& report = results[static_cast<std::size_t>(r)].report;
+        CAPTURE(r);
+        CAPTURE(report);
+        CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+        CHECK(contains(report, r == 1 ? "error invalid argument" : "error peer failed"));
+        CHECK(contains(report, r == 1 ? "rank 1, bucket" : "rank 1 failed: "));
+        CHECK(contains(report, R"(never marked ready on this rank: "layer.b")"));
+      }
+    }
+  }
+
   TEST_CASE("ranks set up differently are refused, and both sides say why") {
     struct Case {
       const char* name;

@@ -139,30 +139,19 @@ class Synchronizer {
   }
 
   // Blocks until every gradient holds the average over the contributing ranks (all of them, unless
-  // the topology has dedicated servers), then readies the next
-  // iteration. Throws the Error that stopped synchronization, on this rank or another.
+  // the topology has dedicated servers), then readies the next iteration. Every ready() of the
+  // iteration must have returned: a gradient not marked by then never will be, so wait() fails at
+  // once, naming it, and the other ranks learn why from this rank's abort. Otherwise the
+  // exchange's own timeouts (Options::timeout) bound the wait. Throws the Error that stopped
+  // synchronization, on this rank or another.
   void wait() {
     freeze();
     const auto start = std::chrono::steady_clock::now();
-    const auto deadline = start + options_.timeout;
+    if (!failed_.load(std::memory_order_acquire) && order_size_.load(std::memory_order_acquire) < layout_.size())
+      fail(never_ready_error());
     std::unique_lock lock(mutex_);
-    bool past_deadline = false;
-    for (;;) {
-      if (error_) throw_when_released(lock);
-      if (done_) break;
-      if (past_deadline) {
-        // Every gradient was marked ready: the exchange's own timeouts will end this wait.
-        done_cv_.wait(lock);
-      } else if (done_cv_.wait_until(lock, deadline) == std::cv_status::timeout && !done_ && !error_) {
-        past_deadline = true;
-        if (order_size_.load() < layout_.size()) {
-          const Error e = never_ready_error();
-          lock.unlock();
-          fail(e);
-          lock.lock();
-        }
-      }
-    }
+    done_cv_.wait(lock, [&] { return error_ || done_; });
+    if (error_) throw_when_released(lock);
     next_iteration(std::chrono::steady_clock::now() - start);
   }
 
@@ -468,21 +457,21 @@ class Synchronizer {
     work_cv_.notify_all();
   }
 
-  // Makes the other ranks fail fast (unless they already know), then records the first failure
-  // and wakes everyone. The transport is aborted first: once abort() returns it holds no buffer
+  // Records the first failure, makes the other ranks fail fast (unless they already know), and
+  // wakes everyone. The first failure is kept before the transport is aborted, because the abort
+  // makes this rank's own pending operations fail too, and those secondary errors must not
+  // replace their cause. wait() throws only once the communication thread has returned, and the
+  // thread that aborts returns from abort() before it can: by then the transport holds no buffer
   // of ours, so nothing reads or writes a gradient after wait() has thrown.
   void fail(const Error& e, bool tell_peers = true) {
     {
       std::lock_guard lock(mutex_);
       stop_ = true;
+      if (!error_) error_ = e;
     }
     work_cv_.notify_all();
     if (tell_peers) transport_.abort(e);
-    {
-      std::lock_guard lock(mutex_);
-      if (!error_) error_ = e;
-      failed_.store(true, std::memory_order_release);
-    }
+    failed_.store(true, std::memory_order_release);
     done_cv_.notify_all();
   }
 
@@ -496,10 +485,10 @@ class Synchronizer {
       if (!bucket) bucket = slots_[id].bucket;
     }
     if (count > 5) missing += fmt::format(" and {} more", count - 5);
-    return Error(ErrorKind::timeout, here("wait", bucket),
-                 fmt::format("iteration {} did not complete within {} ms: {} of {} gradients were never marked ready "
-                             "on this rank: {}",
-                             iteration_.load(), options_.timeout.count(), count, layout_.size(), missing));
+    return Error(ErrorKind::invalid_argument, here("wait", bucket),
+                 fmt::format("iteration {}: wait() was called with {} of {} gradients never marked ready on this "
+                             "rank: {}",
+                             iteration_.load(), count, layout_.size(), missing));
   }
 
   // The policies every rank must share, as the layout check compares them.

@@ -24,6 +24,11 @@ void count(TcpTraffic::Count& c, std::uint64_t bytes) {
   c.bytes += bytes;
 }
 
+// How long an abort may wait for frames already on the wire to end and for its notices to leave.
+// Long enough for a piece of a few MiB on a slow link; a peer that does not read is not waited for
+// longer than this.
+constexpr auto abort_linger = std::chrono::seconds(1);
+
 }  // namespace
 
 TcpEngine::TcpEngine(const TcpOptions& options) : options_(options), peers_(static_cast<std::size_t>(options.world_size)) {
@@ -131,8 +136,8 @@ void TcpEngine::abort(const Error& cause) {
       auto done = std::make_shared<std::promise<void>>();
       aborted_closed_ = done->get_future().share();
       asio::post(io_, [this, done] {
-        send_abort_notices();
-        done->set_value();
+        abort_done_ = done;
+        begin_abort();
       });
     }
     closed = aborted_closed_;
@@ -205,6 +210,7 @@ void TcpEngine::write_next(Connection& c) {
   c.out_header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::data, r->tag_, r->size_});
   const std::array<asio::const_buffer, 2> buffers{asio::buffer(c.out_header), asio::buffer(r->source_, r->size_)};
   asio::async_write(c.socket, buffers, [this, &c, r](const error_code& ec, std::size_t) {
+    if (c.notice_after_frame) return ec ? abort_notice_done() : write_abort_notice(c);
     if (ec) return connection_broke(c.peer, ec);
     {
       std::lock_guard lock(mutex_);
@@ -348,31 +354,72 @@ void TcpEngine::fail_pending(Peer& p, const Error& e) {
   }
 }
 
-// Everything pending fails, every peer gets a short, best-effort notice, then every socket closes.
-void TcpEngine::send_abort_notices() {
-  std::string reason;
-  // A socket in the middle of a frame cannot carry a notice; the others can.
+// Everything pending fails and every peer is told why, in an abort notice, before the sockets
+// close. A socket in the middle of a frame cannot carry a notice until the frame ends, so that
+// frame is finished first (its send has failed for the caller, but abort() has not returned, so
+// its buffer is still there); cutting it off would leave that peer only a broken connection and no
+// reason. All of it within abort_linger: then every socket closes, notice or not.
+void TcpEngine::begin_abort() {
   std::vector<Connection*> between_frames;
   {
     std::lock_guard lock(mutex_);
-    reason = std::string(aborted_->what()).substr(0, tcp_wire::max_reason_bytes);
+    const std::string reason = std::string(aborted_->what()).substr(0, tcp_wire::max_reason_bytes);
+    const auto header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::abort, 0, reason.size()});
+    abort_notice_.assign(header.begin(), header.end());
+    for (char ch : reason) abort_notice_.push_back(static_cast<std::byte>(ch));
     for (std::size_t peer = 0; peer < peers_.size(); ++peer) {
       Peer& p = peers_[peer];
-      for (auto& c : p.connections)
-        if (!c->sending && c->socket.is_open()) between_frames.push_back(c.get());
+      for (auto& c : p.connections) {
+        if (!c->socket.is_open()) continue;
+        ++notices_due_;
+        if (c->sending)
+          c->notice_after_frame = true;
+        else
+          between_frames.push_back(c.get());
+      }
       fail_pending(p, aborted_->filled(where(static_cast<int>(peer), "abort")));
     }
     to_self_.drain([&](Request* r) { fail(*r, *aborted_); });
   }
-  // Each notice goes only if the kernel takes it at once: never waiting on a peer that does not read.
-  const auto header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::abort, 0, reason.size()});
-  const std::array<asio::const_buffer, 2> notice{asio::buffer(header), asio::buffer(reason)};
-  for (Connection* c : between_frames) {
+  if (notices_due_ == 0) return finish_abort();
+  abort_deadline_.emplace(io_, abort_linger);
+  abort_deadline_->async_wait([this](const error_code& ec) {
+    if (!ec) finish_abort();
+  });
+  for (Connection* c : between_frames) write_abort_notice(*c);
+}
+
+void TcpEngine::write_abort_notice(Connection& c) {
+  c.notice_after_frame = false;
+  asio::async_write(c.socket, asio::buffer(abort_notice_), [this, &c](const error_code& ec, std::size_t) {
     error_code ignored;
-    c->socket.non_blocking(true, ignored);
-    c->socket.write_some(notice, ignored);
-  }
+    if (!ec) c.socket.shutdown(asio::ip::tcp::socket::shutdown_send, ignored);  // the notice is the last word
+    abort_notice_done();
+  });
+}
+
+void TcpEngine::abort_notice_done() {
+  if (notices_due_ > 0 && --notices_due_ == 0) finish_abort();
+}
+
+// Closes every socket, which ends every operation still reading or writing a caller's buffer, and
+// lets abort() return. Once only: the last notice and the deadline may both call it. What peers
+// sent that nobody read is discarded first: closing a socket with unread data makes the kernel
+// reset the connection and drop what it had not sent yet, the notice included.
+void TcpEngine::finish_abort() {
+  if (!abort_done_) return;
+  notices_due_ = 0;
+  if (abort_deadline_) abort_deadline_->cancel();
+  std::array<std::byte, 64 << 10> unread;
+  for (auto& p : peers_)
+    for (auto& c : p.connections) {
+      error_code ec;
+      c->socket.non_blocking(true, ec);
+      while (!ec) c->socket.read_some(asio::buffer(unread), ec);
+    }
   close_all();
+  abort_done_->set_value();
+  abort_done_.reset();
 }
 
 void TcpEngine::close_sockets(Peer& p) {

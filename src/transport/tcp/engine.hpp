@@ -21,6 +21,7 @@
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 
 #include "detail/intrusive_queue.hpp"
 #include "gradsync/transport/tcp.hpp"
@@ -49,6 +50,7 @@ struct Connection {
   Request* receiving = nullptr;
   bool closed = false;  // the peer closed it cleanly, between frames
   std::array<char, tcp_wire::max_reason_bytes> reason{};
+  bool notice_after_frame = false;  // aborting: the frame on the wire ends, then the abort notice goes
 };
 
 struct Peer {
@@ -99,7 +101,10 @@ class TcpEngine {
   void fail_peer(int peer, const Error& e);
   void fail_peer_and_wait(int peer, const Error& e);
   void fail_pending(Peer& p, const Error& e);
-  void send_abort_notices();
+  void begin_abort();
+  void write_abort_notice(Connection& c);
+  void abort_notice_done();
+  void finish_abort();
   void close_sockets(Peer& p);
   void close_all();
 
@@ -112,6 +117,13 @@ class TcpEngine {
   Matcher<Request> to_self_;  // this rank's messages to itself
   std::optional<Error> aborted_;
   std::shared_future<void> aborted_closed_;  // ready once abort() has let go of every buffer
+
+  // Aborting, on the io thread only: the notice every peer gets, the sockets still owed one, the
+  // deadline for all of them, and abort()'s promise.
+  std::vector<std::byte> abort_notice_;
+  std::size_t notices_due_ = 0;
+  std::optional<boost::asio::steady_timer> abort_deadline_;
+  std::shared_ptr<std::promise<void>> abort_done_;
   TcpTraffic traffic_;                       // guarded by mutex_
   std::thread io_thread_;
 };
