@@ -29,7 +29,7 @@
 #include <fmt/os.h>
 
 #include "gradsync/gradsync.hpp"
-#include "codec_by_name.hpp"
+#include "toolkit/codec_by_name.hpp"
 #include "gradsync/transport/tcp.hpp"
 
 namespace {
@@ -46,7 +46,7 @@ struct Config {
   int iters = 20;
   int warmup = 3;
   std::string codec = "none";
-  gradsync_examples::CodecSettings codec_settings;
+  gradsync::toolkit::CodecSettings codec_settings;
   std::string topology = "ring";
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
   std::size_t chunk_bytes = std::size_t{1} << 20;
@@ -279,7 +279,7 @@ Config parse(int argc, char** argv) {
                  "                 [--threshold T] [--keep F] [--topology ring|parameter-server]\n"
                  "                 [--partitions P] [--chunk-bytes B] [--json PATH]\n"
                  "sizes take K, M or G suffixes (binary); tcp ranks come from the launcher's variables\n"
-                 "codecs: {}\n", gradsync_examples::codec_names);
+                 "codecs: {}\n", gradsync::toolkit::codec_names);
       std::exit(0);
     } else {
       throw std::invalid_argument("unknown option " + arg + " (--help lists them)");
@@ -334,7 +334,7 @@ int main(int argc, char** argv) try {
   const Config cfg = parse(argc, argv);
   int ranks = 0;
   const std::vector<Row> rows =
-      gradsync_examples::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) { return run(cfg, ranks, codec); });
+      gradsync::toolkit::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) { return run(cfg, ranks, codec); });
   if (rows.empty()) return 0;  // not rank 0
   // Measured once the other ranks are done, so that nothing else competes for memory bandwidth.
   std::vector<Row> measured = rows;

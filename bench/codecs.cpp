@@ -21,7 +21,7 @@
 #include <fmt/format.h>
 #include <fmt/os.h>
 
-#include "codec_by_name.hpp"
+#include "toolkit/codec_by_name.hpp"
 #include "gradsync/gradsync.hpp"
 
 #if GRADSYNC_HAS_CUDA
@@ -184,7 +184,7 @@ int main(int argc, char** argv) try {
   std::vector<Row> rows;
   for (const std::string& name : cfg.codecs)
     for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
-      const Row r = gradsync_examples::with_codec(name, {}, [&](const auto& codec) { return measure(name, bytes, cfg.iters, codec); });
+      const Row r = gradsync::toolkit::with_codec(name, {}, [&](const auto& codec) { return measure(name, bytes, cfg.iters, codec); });
       fmt::print("  {:>12} {:>12} {:>10.2f} {:>10.2f} {:>8.1f}\n", r.codec, r.bytes, r.encode_GBps, r.decode_GBps, r.ratio);
       std::fflush(stdout);
       rows.push_back(r);
@@ -204,7 +204,7 @@ int main(int argc, char** argv) try {
                "");
     for (const std::string& name : cfg.codecs)
       for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
-        const auto r = gradsync_examples::with_codec(
+        const auto r = gradsync::toolkit::with_codec(
             name, {}, [&](const auto& codec) { return measure_device(name, bytes, cfg.iters, codec, stream); });
         if (!r) continue;  // no device path (top-k)
         fmt::print("  {:>12} {:>12} {:>10.1f} {:>10.1f} {:>8.1f} {:>10.1f} {:>9.2f} {:>9.2f}\n", r->codec, r->bytes,

@@ -47,9 +47,9 @@
 #include <fmt/format.h>
 #include <fmt/os.h>
 
-#include "codec_by_name.hpp"
-#include "connect.hpp"
-#include "workers.hpp"
+#include "toolkit/codec_by_name.hpp"
+#include "toolkit/connect.hpp"
+#include "toolkit/workers.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "trace.hpp"
@@ -74,7 +74,7 @@ struct Config {
   bool spin = false;
   std::string json;
   std::string codec = "none";
-  gradsync_examples::CodecSettings codec_settings;
+  gradsync::toolkit::CodecSettings codec_settings;
   std::string topology = "ring";
   std::size_t partitions = 0;
   std::size_t servers = 0;
@@ -121,7 +121,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
                                                                         policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
-  const int workers = gradsync_examples::workers(topology, ranks);
+  const int workers = gradsync::toolkit::workers(topology, ranks);
   std::vector<std::vector<float>> grads;
   std::size_t bytes = 0;
   for (const auto& e : trace) {
@@ -319,11 +319,11 @@ int main(int argc, char** argv) try {
   std::ifstream file(cfg.trace);
   if (!file) throw std::runtime_error("cannot open " + cfg.trace);
   const auto trace = gradsync_bench::read_trace(file, cfg.trace);
-  gs::transport::Tcp transport = gradsync_examples::connect_or_alone();
+  gs::transport::Tcp transport = gradsync::toolkit::connect_or_alone();
   cfg.codec_settings.rank = transport.rank();
   const auto chunk = std::max<std::size_t>(1, static_cast<std::size_t>(cfg.chunk_mib * (1 << 20) / sizeof(float)));
   return with_bucketing(cfg, [&](const auto& policy) {
-    return gradsync_examples::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
+    return gradsync::toolkit::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
       if (cfg.topology == "parameter-server")
         return run(cfg, trace, std::move(transport), policy, codec,
                    gs::topology::ParameterServer{.partitions = cfg.partitions,

@@ -19,12 +19,12 @@
 #include <fmt/format.h>
 #include <fmt/os.h>
 
-#include "codec_by_name.hpp"
-#include "connect.hpp"
+#include "toolkit/codec_by_name.hpp"
+#include "toolkit/connect.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "trainer.hpp"
-#include "workers.hpp"
+#include "toolkit/workers.hpp"
 
 namespace {
 
@@ -36,7 +36,7 @@ struct Options {
   std::string codec = "none";
   // Two-bit's threshold for this model's gradients (the library's default, MXNet's 0.5, is for
   // larger ones); see results/README.md for how it was chosen.
-  gradsync_examples::CodecSettings codec_settings{.threshold = 0.1f};
+  gradsync::toolkit::CodecSettings codec_settings{.threshold = 0.1f};
   std::vector<std::size_t> hidden{256, 128};
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::string json;
@@ -81,10 +81,10 @@ Options parse(int argc, char** argv) {
       std::stringstream list(value());
       for (std::string item; std::getline(list, item, ',');) o.hidden.push_back(std::stoul(item));
     } else if (arg == "--help" || arg == "-h") {
-      fmt::print("{}{}\n", usage, gradsync_examples::codec_names);
+      fmt::print("{}{}\n", usage, gradsync::toolkit::codec_names);
       std::exit(0);
     } else {
-      throw std::invalid_argument("unknown option " + arg + "\n" + usage + gradsync_examples::codec_names);
+      throw std::invalid_argument("unknown option " + arg + "\n" + usage + gradsync::toolkit::codec_names);
     }
   }
   if (o.train.epochs < 1 || o.train.batch < 1 || o.hidden.empty())
@@ -121,7 +121,7 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec, cons
   Sync sync(std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec, topology);
   const bool leader = sync.rank() == 0;
   fmnist::TrainConfig train = o.train;
-  train.workers = static_cast<std::size_t>(gradsync_examples::workers(topology, sync.size()));
+  train.workers = static_cast<std::size_t>(gradsync::toolkit::workers(topology, sync.size()));
   const fmnist::Dataset train_set = fmnist::load_split(o.data, true);
   const fmnist::Dataset test_set = fmnist::load_split(o.data, false);
   std::vector<std::size_t> sizes{train_set.pixels};
@@ -179,11 +179,11 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec, cons
 
 template <class Bucketing>
 int with_codec(const Options& o) {
-  gs::transport::Tcp transport = gradsync_examples::connect_or_alone();
+  gs::transport::Tcp transport = gradsync::toolkit::connect_or_alone();
   auto settings = o.codec_settings;
   settings.seed = o.train.seed;
   settings.rank = transport.rank();
-  return gradsync_examples::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
+  return gradsync::toolkit::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
     if (o.topology == "parameter-server")
       return run<Bucketing>(o, std::move(transport), codec,
                             gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated});

@@ -16,7 +16,7 @@
 
 #include <fmt/format.h>
 
-#include "codec_by_name.hpp"
+#include "toolkit/codec_by_name.hpp"
 #include "gradsync/gradsync.hpp"
 
 namespace {
@@ -159,7 +159,7 @@ int run(const Config& cfg, const Codec& codec) {
 
 template <class Bucketing>
 int with_codec(const Config& cfg) {
-  return gradsync_examples::with_codec(cfg.codec, {},
+  return gradsync::toolkit::with_codec(cfg.codec, {},
                                        [&](const auto& codec) { return run<Bucketing>(cfg, codec); });
 }
 

@@ -10,7 +10,7 @@
 
 #include "gradsync/gradsync.hpp"
 
-namespace gradsync_examples {
+namespace gradsync::toolkit {
 
 inline constexpr const char* codec_names =
     "none, fp16, bf16, two-bit, one-bit, terngrad, top-k, random-k, and with error feedback ef-two-bit, "
@@ -46,4 +46,4 @@ decltype(auto) with_codec(std::string_view name, const CodecSettings& s, F&& f) 
   throw std::invalid_argument("unknown codec '" + std::string(name) + "'; choose one of " + codec_names);
 }
 
-}  // namespace gradsync_examples
+}  // namespace gradsync::toolkit
