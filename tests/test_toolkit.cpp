@@ -57,6 +57,8 @@ TEST_SUITE("toolkit") {
     CHECK(parse(app, {"--servers", "9"}) == "--servers: 9 is out of range: need <= 8 (--help lists the options)");
     CHECK(parse(app, {"--servers", "8"}) == "accepted");
     CHECK(servers == 8);
+    CHECK(parse(app, {"--ranks", "3", "--ranks", "5"}) == "accepted");
+    CHECK(ranks == 5);  // the last one given
   }
 
   TEST_CASE("a real number must be finite and inside its interval, whose ends may be open") {
@@ -115,7 +117,7 @@ TEST_SUITE("toolkit") {
           "--topology: tree not in {ring,parameter-server} (--help lists the options)");
     CHECK(parse(app, {"--dedicated"}) ==
           "--servers and --dedicated: need --topology parameter-server (--help lists the options)");
-    CHECK(parse(app, {"--servers", "2", "--dedicated", "--topology", "parameter-server"}) == "accepted");
+    CHECK(parse(app, {"--servers", "2", "--dedicated", "--dedicated", "--topology", "parameter-server"}) == "accepted");
     CHECK(servers == 2);
     CHECK(dedicated);
     CHECK(parse(app, {"--frobnicate"}) ==

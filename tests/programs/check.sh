@@ -63,7 +63,7 @@ case $name in
     refuses --steps --steps -1
     refuses --codec --codec zip
     refuses --bucketing --bucketing tree
-    succeeds --ranks 2 --steps 2 --codec ef-two-bit --bucketing per-tensor
+    succeeds --ranks 3 --ranks 2 --steps 2 --codec ef-two-bit --bucketing per-tensor  # the last --ranks counts
     ;;
   fmnist)
     refuses --epochs --epochs 4x

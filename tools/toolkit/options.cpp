@@ -62,6 +62,10 @@ void add_server_placement(CLI::App& app, std::size_t& servers, bool& dedicated, 
 }
 
 bool parse_options(CLI::App& app, int argc, char** argv) {
+  // A repeated option takes its last value, as the programs' own parsers had it (CLI11 refuses
+  // the repeat); lists (--hidden) keep every value.
+  for (CLI::Option* option : app.get_options())
+    if (option->get_expected_max() == 1) option->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   try {
     app.parse(argc, argv);
     return true;

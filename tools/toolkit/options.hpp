@@ -105,8 +105,8 @@ void add_codec_options(CLI::App& app, std::string& codec, CodecSettings& setting
 // --topology parameter-server takes; checked when parsing ends, through the app's callback.
 void add_server_placement(CLI::App& app, std::size_t& servers, bool& dedicated, const std::string& topology);
 
-// Reads argv into the options `app` declares. Returns false when --help was asked for, after
-// printing the help. A malformed or out-of-range value, an unknown option or a missing one throws
+// Reads argv into the options `app` declares; an option given twice takes its last value.
+// Returns false when --help was asked for, after printing the help. A malformed or out-of-range value, an unknown option or a missing one throws
 // std::invalid_argument with a message that names the option.
 [[nodiscard]] bool parse_options(CLI::App& app, int argc, char** argv);
 
