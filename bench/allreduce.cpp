@@ -26,15 +26,18 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/os.h>
 
 #include "gradsync/gradsync.hpp"
-#include "codec_by_name.hpp"
 #include "gradsync/transport/tcp.hpp"
+#include "toolkit/codec_by_name.hpp"
+#include "toolkit/json.hpp"
+#include "toolkit/options.hpp"
+#include "toolkit/statistics.hpp"
 
 namespace {
 
 using namespace gradsync;
+namespace tk = gradsync::toolkit;
 using Clock = std::chrono::steady_clock;
 
 struct Config {
@@ -46,7 +49,7 @@ struct Config {
   int iters = 20;
   int warmup = 3;
   std::string codec = "none";
-  gradsync_examples::CodecSettings codec_settings;
+  gradsync::toolkit::CodecSettings codec_settings;
   std::string topology = "ring";
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
   std::size_t chunk_bytes = std::size_t{1} << 20;
@@ -71,11 +74,6 @@ constexpr bool elementwise<compression::RandomK> = false;
 template <class C>
 constexpr bool elementwise<compression::ErrorFeedback<C>> = elementwise<C>;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
 double bus_factor(int n) { return n > 1 ? 2.0 * (n - 1) / n : 1.0; }
 
 double memcpy_us(std::size_t bytes, int iters) {
@@ -86,7 +84,7 @@ double memcpy_us(std::size_t bytes, int iters) {
     std::memcpy(to.data(), from.data(), bytes);
     if (i > 0) times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
   }
-  return median(times);
+  return tk::median(times);
 }
 
 topology::ParameterServer parameter_server(const Config& cfg) {
@@ -215,7 +213,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
         for (std::size_t e = 0; e < count; ++e) wrong += values[e] != expected[e];
     }
     coordination.reduce_to_root(times, wrong);
-    if (transport.rank() == 0) rows.push_back({count * sizeof(float), median(times), 0, wrong, elementwise<Codec>});
+    if (transport.rank() == 0) rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, elementwise<Codec>});
   }
   return rows;
 }
@@ -240,59 +238,23 @@ std::vector<Row> run(const Config& cfg, int& ranks, const Codec& codec) {
   return rows;
 }
 
-std::size_t parse_size(const std::string& s) {
-  std::size_t pos = 0;
-  std::size_t v = std::stoull(s, &pos);
-  const std::string unit = s.substr(pos);
-  if (unit == "K" || unit == "KiB") v <<= 10;
-  else if (unit == "M" || unit == "MiB") v <<= 20;
-  else if (unit == "G" || unit == "GiB") v <<= 30;
-  else if (!unit.empty()) throw std::invalid_argument("unknown size unit '" + unit + "'");
-  return v;
-}
-
-Config parse(int argc, char** argv) {
-  Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--transport") cfg.transport = value();
-    else if (arg == "--ranks") cfg.ranks = std::stoi(value());
-    else if (arg == "--min-bytes") cfg.min_bytes = parse_size(value());
-    else if (arg == "--max-bytes") cfg.max_bytes = parse_size(value());
-    else if (arg == "--step-factor") cfg.step_factor = std::stoull(value());
-    else if (arg == "--iters") cfg.iters = std::stoi(value());
-    else if (arg == "--warmup") cfg.warmup = std::stoi(value());
-    else if (arg == "--codec") cfg.codec = value();
-    else if (arg == "--threshold") cfg.codec_settings.threshold = std::stof(value());
-    else if (arg == "--keep") cfg.codec_settings.keep = std::stod(value());
-    else if (arg == "--topology") cfg.topology = value();
-    else if (arg == "--partitions") cfg.partitions = std::stoull(value());
-    else if (arg == "--chunk-bytes") cfg.chunk_bytes = parse_size(value());
-    else if (arg == "--json") cfg.json = value();
-    else if (arg == "--help" || arg == "-h") {
-      fmt::print("usage: allreduce [--transport in-process|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]\n"
-                 "                 [--step-factor F] [--iters I] [--warmup W] [--codec NAME]\n"
-                 "                 [--threshold T] [--keep F] [--topology ring|parameter-server]\n"
-                 "                 [--partitions P] [--chunk-bytes B] [--json PATH]\n"
-                 "sizes take K, M or G suffixes (binary); tcp ranks come from the launcher's variables\n"
-                 "codecs: {}\n", gradsync_examples::codec_names);
-      std::exit(0);
-    } else {
-      throw std::invalid_argument("unknown option " + arg + " (--help lists them)");
-    }
-  }
-  if (cfg.ranks < 1 || cfg.iters < 1 || cfg.warmup < 1 || cfg.step_factor < 2 || cfg.min_bytes < sizeof(float) ||
-      cfg.min_bytes > cfg.max_bytes)
-    throw std::invalid_argument("need ranks >= 1, iters >= 1, warmup >= 1, step-factor >= 2, 4 <= min-bytes <= max-bytes");
-  if (cfg.topology != "ring" && cfg.topology != "parameter-server")
-    throw std::invalid_argument("--topology must be ring or parameter-server");
-  if (cfg.transport != "in-process" && cfg.transport != "tcp")
-    throw std::invalid_argument("--transport must be in-process or tcp");
-  return cfg;
+void declare_options(CLI::App& app, Config& cfg) {
+  tk::add_choice(app, "--transport", cfg.transport,
+                 "in-process: the ranks are threads of this process; tcp: one rank per process, placed by the "
+                 "launcher's variables (--ranks is ignored)",
+                 {"in-process", "tcp"});
+  tk::add_number(app, "--ranks", cfg.ranks, "ranks (in-process)", {.low = 1});
+  tk::add_byte_size(app, "--min-bytes", cfg.min_bytes, "the first size", {.low = sizeof(float)});
+  tk::add_byte_size(app, "--max-bytes", cfg.max_bytes, "no size beyond this", {.low = sizeof(float)});
+  tk::add_number(app, "--step-factor", cfg.step_factor, "each size is the one before times this", {.low = 2});
+  tk::add_number(app, "--iters", cfg.iters, "timed iterations of each size", {.low = 1});
+  tk::add_number(app, "--warmup", cfg.warmup, "iterations before them, not timed", {.low = 1});
+  tk::add_codec_options(app, cfg.codec, cfg.codec_settings);
+  tk::add_choice(app, "--topology", cfg.topology, "the schedule", tk::topology_names);
+  tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
+  tk::add_byte_size(app, "--chunk-bytes", cfg.chunk_bytes, "the topology's piece size", {.low = sizeof(float)});
+  app.add_option("--json", cfg.json, "also write the rows as JSON to this file");
+  app.footer("Sizes take K, M or G suffixes (binary). GB = 1e9 bytes.");
 }
 
 void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
@@ -314,27 +276,35 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   }
   fmt::print("# out of bounds values: {} {}\n", wrong, wrong ? "ERROR" : "OK");
   if (cfg.json.empty()) return;
-  auto out = fmt::output_file(cfg.json);
-  out.print("[\n");
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
+  tk::Json json = tk::Json::array();
+  for (const Row& r : rows) {
     const double algbw = static_cast<double>(r.bytes) / r.time_us / 1e3;
-    out.print(R"(  {{"bytes": {}, "ranks": {}, "topology": "{}", "codec": "{}", "transport": "{}", )"
-              R"("time_us": {:.3f}, "algbw_GBps": {:.5f}, "busbw_GBps": {:.5f}, "memcpy_us": {:.3f}, "wrong": {}}}{})"
-              "\n",
-              r.bytes, ranks, cfg.topology, cfg.codec, cfg.transport, r.time_us, algbw, algbw * bus_factor(ranks), r.memcpy_us,
-              r.checked ? fmt::to_string(r.wrong) : "null", i + 1 < rows.size() ? "," : "");
+    json.push_back({{"bytes", r.bytes},
+                    {"ranks", ranks},
+                    {"topology", cfg.topology},
+                    {"codec", cfg.codec},
+                    {"transport", cfg.transport},
+                    {"time_us", tk::rounded(r.time_us, 3)},
+                    {"algbw_GBps", tk::rounded(algbw, 5)},
+                    {"busbw_GBps", tk::rounded(algbw * bus_factor(ranks), 5)},
+                    {"memcpy_us", tk::rounded(r.memcpy_us, 3)},
+                    {"wrong", r.checked ? tk::Json(r.wrong) : tk::Json()}});
   }
-  out.print("]\n");
+  tk::write_json(cfg.json, json);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const Config cfg = parse(argc, argv);
+  Config cfg;
+  CLI::App app("nccl-tests style: the time of one allreduce of each size, beside a memcpy of the same bytes",
+               "allreduce");
+  declare_options(app, cfg);
+  if (!tk::parse_options(app, argc, argv)) return 0;
+  if (cfg.min_bytes > cfg.max_bytes) throw std::invalid_argument("--min-bytes must not exceed --max-bytes");
   int ranks = 0;
   const std::vector<Row> rows =
-      gradsync_examples::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) { return run(cfg, ranks, codec); });
+      tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) { return run(cfg, ranks, codec); });
   if (rows.empty()) return 0;  // not rank 0
   // Measured once the other ranks are done, so that nothing else competes for memory bandwidth.
   std::vector<Row> measured = rows;

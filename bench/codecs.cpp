@@ -3,7 +3,7 @@
 // beside a device-to-device copy of the same bytes), in GB/s of f32 input, with the compression
 // ratio.
 //
-//   codecs [--min-mib M] [--max-mib M] [--step-factor F] [--iters I] [--codec NAME] [--json PATH]
+//   codecs [--min-mib M] [--max-mib M] [--step-factor F] [--iters I] [--codec NAME...] [--json PATH]
 //
 // Input is normally distributed (sigma 0.1, inside TwoBit's default threshold for most values,
 // as gradients are); each figure is the median of --iters runs after one warm-up. Error-feedback
@@ -14,15 +14,18 @@
 #include <stdexcept>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/os.h>
 
-#include "codec_by_name.hpp"
 #include "gradsync/gradsync.hpp"
+#include "toolkit/codec_by_name.hpp"
+#include "toolkit/json.hpp"
+#include "toolkit/options.hpp"
+#include "toolkit/statistics.hpp"
 
 #if GRADSYNC_HAS_CUDA
 #include <cuda_runtime.h>
@@ -33,15 +36,15 @@
 namespace {
 
 using namespace gradsync;
+namespace tk = gradsync::toolkit;
 using Clock = std::chrono::steady_clock;
 
 struct Config {
-  std::size_t min_bytes = std::size_t{1} << 20;
-  std::size_t max_bytes = std::size_t{64} << 20;
+  std::size_t min_mib = 1;
+  std::size_t max_mib = 64;
   std::size_t step_factor = 8;
   int iters = 10;
-  std::vector<std::string> codecs{"none",     "fp16",       "bf16",       "two-bit",     "one-bit",  "terngrad",
-                                  "top-k",    "random-k",   "ef-two-bit", "ef-one-bit", "ef-top-k",    "ef-random-k"};
+  std::vector<std::string> codecs = tk::codec_names;
   std::string json;
 };
 
@@ -59,11 +62,6 @@ std::vector<float> normal_input(std::size_t n) {
   std::normal_distribution<float> normal(0.0f, 0.1f);
   for (float& v : input) v = normal(gen);
   return input;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 template <class Codec>
@@ -86,7 +84,7 @@ Row measure(const std::string& name, std::size_t bytes, int iters, const Codec& 
     decode_s.push_back(std::chrono::duration<double>(t2 - t1).count());
   }
   const double b = static_cast<double>(n * sizeof(float));
-  return {name, n * sizeof(float), b / median(encode_s) / 1e9, b / median(decode_s) / 1e9, b / static_cast<double>(used)};
+  return {name, n * sizeof(float), b / tk::median(encode_s) / 1e9, b / tk::median(decode_s) / 1e9, b / static_cast<double>(used)};
 }
 
 #if GRADSYNC_HAS_CUDA
@@ -151,40 +149,38 @@ std::optional<Row> measure_device(const std::string& name, std::size_t bytes, in
       copy_s.push_back(c);
     }
     const double b = static_cast<double>(bytes);
-    return Row{name, bytes, b / median(encode_s) / 1e9, b / median(decode_s) / 1e9, b / static_cast<double>(used),
-               "cuda", b / median(copy_s) / 1e9};
+    return Row{name, bytes, b / tk::median(encode_s) / 1e9, b / tk::median(decode_s) / 1e9, b / static_cast<double>(used),
+               "cuda", b / tk::median(copy_s) / 1e9};
   }
 }
 #endif
+
+void declare_options(CLI::App& app, Config& cfg) {
+  // Sizes in MiB must stay representable in bytes.
+  const tk::Bounds<std::size_t> mib{.low = 1, .high = std::numeric_limits<std::size_t>::max() >> 20};
+  tk::add_number(app, "--min-mib", cfg.min_mib, "the first input size, in MiB", mib);
+  tk::add_number(app, "--max-mib", cfg.max_mib, "no input size beyond this, in MiB", mib);
+  tk::add_number(app, "--step-factor", cfg.step_factor, "each size is the one before times this", {.low = 2});
+  tk::add_number(app, "--iters", cfg.iters, "timed runs of each codec and size, after one warm-up", {.low = 1});
+  app.add_option("--codec", cfg.codecs, "the codecs to measure (default: every one)")->check(CLI::IsMember(tk::codec_names));
+  app.add_option("--json", cfg.json, "also write the rows as JSON to this file");
+}
 
 }  // namespace
 
 int main(int argc, char** argv) try {
   Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--min-mib") cfg.min_bytes = std::stoull(value()) << 20;
-    else if (arg == "--max-mib") cfg.max_bytes = std::stoull(value()) << 20;
-    else if (arg == "--step-factor") cfg.step_factor = std::stoull(value());
-    else if (arg == "--iters") cfg.iters = std::stoi(value());
-    else if (arg == "--codec") cfg.codecs = {value()};
-    else if (arg == "--json") cfg.json = value();
-    else throw std::invalid_argument("unknown option " + arg +
-                                     "; use --min-mib M --max-mib M --step-factor F --iters I --codec NAME --json PATH");
-  }
-  if (cfg.iters < 1 || cfg.step_factor < 2 || cfg.min_bytes == 0 || cfg.min_bytes > cfg.max_bytes)
-    throw std::invalid_argument("need iters >= 1, step-factor >= 2 and 0 < min-mib <= max-mib");
+  CLI::App app("Encode and decode throughput of every codec, on this CPU (one thread) and on a CUDA device", "codecs");
+  declare_options(app, cfg);
+  if (!tk::parse_options(app, argc, argv)) return 0;
+  if (cfg.min_mib > cfg.max_mib) throw std::invalid_argument("--min-mib must not exceed --max-mib");
   fmt::print("# gradsync codecs on the CPU, one thread, f32 input N(0, 0.1); median of {} runs\n#\n", cfg.iters);
   fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "codec", "size (B)", "encode", "decode", "ratio");
   fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "", "", "(GB/s)", "(GB/s)", "");
   std::vector<Row> rows;
   for (const std::string& name : cfg.codecs)
-    for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
-      const Row r = gradsync_examples::with_codec(name, {}, [&](const auto& codec) { return measure(name, bytes, cfg.iters, codec); });
+    for (std::size_t bytes = cfg.min_mib << 20; bytes <= cfg.max_mib << 20; bytes *= cfg.step_factor) {
+      const Row r = tk::with_codec(name, {}, [&](const auto& codec) { return measure(name, bytes, cfg.iters, codec); });
       fmt::print("  {:>12} {:>12} {:>10.2f} {:>10.2f} {:>8.1f}\n", r.codec, r.bytes, r.encode_GBps, r.decode_GBps, r.ratio);
       std::fflush(stdout);
       rows.push_back(r);
@@ -203,8 +199,8 @@ int main(int argc, char** argv) try {
     fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9}\n", "", "", "(GB/s)", "(GB/s)", "", "(GB/s)", "",
                "");
     for (const std::string& name : cfg.codecs)
-      for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
-        const auto r = gradsync_examples::with_codec(
+      for (std::size_t bytes = cfg.min_mib << 20; bytes <= cfg.max_mib << 20; bytes *= cfg.step_factor) {
+        const auto r = tk::with_codec(
             name, {}, [&](const auto& codec) { return measure_device(name, bytes, cfg.iters, codec, stream); });
         if (!r) continue;  // no device path (top-k)
         fmt::print("  {:>12} {:>12} {:>10.1f} {:>10.1f} {:>8.1f} {:>10.1f} {:>9.2f} {:>9.2f}\n", r->codec, r->bytes,
@@ -216,15 +212,16 @@ int main(int argc, char** argv) try {
   }
 #endif
   if (!cfg.json.empty()) {
-    auto out = fmt::output_file(cfg.json);
-    out.print("[\n");
-    for (std::size_t i = 0; i < rows.size(); ++i)
-      out.print(R"(  {{"codec": "{}", "bytes": {}, "device": "{}", "encode_GBps": {:.3f}, "decode_GBps": {:.3f}, )"
-                R"("ratio": {:.2f}, "copy_GBps": {:.3f}}}{})"
-                "\n",
-                rows[i].codec, rows[i].bytes, rows[i].device, rows[i].encode_GBps, rows[i].decode_GBps, rows[i].ratio,
-                rows[i].copy_GBps, i + 1 < rows.size() ? "," : "");
-    out.print("]\n");
+    tk::Json json = tk::Json::array();
+    for (const Row& r : rows)
+      json.push_back({{"codec", r.codec},
+                      {"bytes", r.bytes},
+                      {"device", r.device},
+                      {"encode_GBps", tk::rounded(r.encode_GBps, 3)},
+                      {"decode_GBps", tk::rounded(r.decode_GBps, 3)},
+                      {"ratio", tk::rounded(r.ratio, 2)},
+                      {"copy_GBps", tk::rounded(r.copy_GBps, 3)}});
+    tk::write_json(cfg.json, json);
   }
   return 0;
 } catch (const std::exception& e) {

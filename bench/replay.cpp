@@ -39,24 +39,28 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/os.h>
 
-#include "codec_by_name.hpp"
-#include "connect.hpp"
-#include "workers.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
+#include "toolkit/codec_by_name.hpp"
+#include "toolkit/connect.hpp"
+#include "toolkit/json.hpp"
+#include "toolkit/options.hpp"
+#include "toolkit/statistics.hpp"
+#include "toolkit/workers.hpp"
 #include "trace.hpp"
 
 namespace {
 
 namespace gs = gradsync;
+namespace tk = gradsync::toolkit;
 using Clock = std::chrono::steady_clock;
 
 struct Config {
@@ -74,7 +78,7 @@ struct Config {
   bool spin = false;
   std::string json;
   std::string codec = "none";
-  gradsync_examples::CodecSettings codec_settings;
+  tk::CodecSettings codec_settings;
   std::string topology = "ring";
   std::size_t partitions = 0;
   std::size_t servers = 0;
@@ -104,11 +108,6 @@ struct Sample {
   gs::IterationStats stats;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
 template <class Bucketing, class Codec, class Topology>
 int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, gs::transport::Tcp transport,
         const Bucketing& policy, const Codec& codec, const Topology& topology) {
@@ -121,7 +120,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
                                                                         policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
-  const int workers = gradsync_examples::workers(topology, ranks);
+  const int workers = tk::workers(topology, ranks);
   std::vector<std::vector<float>> grads;
   std::size_t bytes = 0;
   for (const auto& e : trace) {
@@ -203,97 +202,91 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   // algbw and busbw as nccl-tests defines them, for the whole model per iteration: meaningful when
   // --time-scale 0 makes the iteration one synchronization. The allreduce is among the workers
   // (rank 0 is one): dedicated servers do not count in busbw's 2(n-1)/n.
-  const double algbw = static_cast<double>(bytes) / (median(times) * 1e6);
+  const double algbw = static_cast<double>(bytes) / (tk::median(times) * 1e6);
   fmt::print(
       "  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>10.1f} {:>10.1f} {:>10.1f} {:>9.1f} "
       "{:>9.1f}\n",
-      policy_name, samples.back().buckets, median(times), median(exposed), plans,
+      policy_name, samples.back().buckets, tk::median(times), tk::median(exposed), plans,
       static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (workers - 1) / std::max(1, workers),
-      median(compute), median(in_flight), median(waiting), median(cpu_user), median(cpu_system));
+      tk::median(compute), tk::median(in_flight), tk::median(waiting), tk::median(cpu_user), tk::median(cpu_system));
   fmt::print("# plan changed after iterations: {}\n", fmt::join(plan_changes, ", "));
   if (cfg.coordination.enabled)
     fmt::print("# coordinated (window {}, batches of {} KiB): rank 0 sent {:.1f} KB of grants per iteration; its sends "
                "waited {:.1f} ms for grants (summed over sends)\n",
-               cfg.coordination.window, cfg.coordination.batch_bytes >> 10, median(control_kb), median(awaiting_grant));
+               cfg.coordination.window, cfg.coordination.batch_bytes >> 10, tk::median(control_kb), tk::median(awaiting_grant));
   if (!cfg.json.empty()) {
-    auto out = fmt::output_file(cfg.json);
-    out.print(R"({{"trace": "{}", "policy": "{}", "ranks": {}, "bytes": {}, "size_scale": {}, "time_scale": {}, )"
-              R"("jitter": {}, "drift_at": {}, "drift_factor": {}, "buckets": {}, "iteration_ms": {:.3f}, )"
-              R"("exposed_ms": {:.3f}, "cpu_user_ms": {:.3f}, "cpu_system_ms": {:.3f}, "codec": "{}", "selective": {}, "topology": "{}", "executor": "{}", "compute_threads": {}, )"
-              R"("transport": "{}", )"
-              R"("wire_bytes": {}, "coordinated": {}, "window": {}, "batch_bytes": {}, "control_kb": {:.3f}, )"
-              R"("awaiting_grant_ms": {:.3f}, "plan_changes": [{}], "samples": [)",
-              cfg.trace, policy_name, ranks, bytes, cfg.size_scale, cfg.time_scale, cfg.jitter, cfg.drift_at,
-              cfg.drift_factor, samples.back().buckets, median(times), median(exposed), median(cpu_user),
-              median(cpu_system), cfg.codec, cfg.selective,
-              topology.describe(), cfg.executor, cfg.compute_threads, transport_name, last.bytes_sent, cfg.coordination.enabled, cfg.coordination.window,
-              cfg.coordination.batch_bytes, median(control_kb), median(awaiting_grant), fmt::join(plan_changes, ", "));
-    for (std::size_t i = 0; i < samples.size(); ++i)
-      out.print(R"({}{{"iteration_ms": {:.3f}, "exposed_ms": {:.3f}, "cpu_user_ms": {:.3f}, "cpu_system_ms": {:.3f}, )"
-                R"("buckets": {}}})",
-                i ? ", " : "", samples[i].iteration_ms, samples[i].exposed_ms, samples[i].cpu.user_ms,
-                samples[i].cpu.system_ms, samples[i].buckets);
-    out.print("]}}\n");
+    tk::Json per_iteration = tk::Json::array();
+    for (const Sample& sample : samples)
+      per_iteration.push_back({{"iteration_ms", tk::rounded(sample.iteration_ms, 3)},
+                               {"exposed_ms", tk::rounded(sample.exposed_ms, 3)},
+                               {"cpu_user_ms", tk::rounded(sample.cpu.user_ms, 3)},
+                               {"cpu_system_ms", tk::rounded(sample.cpu.system_ms, 3)},
+                               {"buckets", sample.buckets}});
+    tk::write_json(cfg.json, {{"trace", cfg.trace},
+                              {"policy", policy_name},
+                              {"ranks", ranks},
+                              {"bytes", bytes},
+                              {"size_scale", cfg.size_scale},
+                              {"time_scale", cfg.time_scale},
+                              {"jitter", cfg.jitter},
+                              {"drift_at", cfg.drift_at},
+                              {"drift_factor", cfg.drift_factor},
+                              {"buckets", samples.back().buckets},
+                              {"iteration_ms", tk::rounded(tk::median(times), 3)},
+                              {"exposed_ms", tk::rounded(tk::median(exposed), 3)},
+                              {"cpu_user_ms", tk::rounded(tk::median(cpu_user), 3)},
+                              {"cpu_system_ms", tk::rounded(tk::median(cpu_system), 3)},
+                              {"codec", cfg.codec},
+                              {"selective", cfg.selective},
+                              {"topology", topology.describe()},
+                              {"executor", cfg.executor},
+                              {"compute_threads", cfg.compute_threads},
+                              {"transport", transport_name},
+                              {"wire_bytes", last.bytes_sent},
+                              {"coordinated", cfg.coordination.enabled},
+                              {"window", cfg.coordination.window},
+                              {"batch_bytes", cfg.coordination.batch_bytes},
+                              {"control_kb", tk::rounded(tk::median(control_kb), 3)},
+                              {"awaiting_grant_ms", tk::rounded(tk::median(awaiting_grant), 3)},
+                              {"plan_changes", plan_changes},
+                              {"samples", per_iteration}});
   }
   return 0;
 }
 
-Config parse(int argc, char** argv) {
-  Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--trace") cfg.trace = value();
-    else if (arg == "--bucketing") cfg.bucketing = value();
-    else if (arg == "--cap-mib") cfg.cap_mib = std::stod(value());
-    else if (arg == "--min-bucket-kib") cfg.min_bucket_kib = std::stod(value());
-    else if (arg == "--iters") cfg.iters = std::stoi(value());
-    else if (arg == "--warmup") cfg.warmup = std::stoi(value());
-    else if (arg == "--size-scale") cfg.size_scale = std::stod(value());
-    else if (arg == "--time-scale") cfg.time_scale = std::stod(value());
-    else if (arg == "--jitter") cfg.jitter = std::stod(value());
-    else if (arg == "--drift-at") cfg.drift_at = std::stoi(value());
-    else if (arg == "--drift-factor") cfg.drift_factor = std::stod(value());
-    else if (arg == "--spin") cfg.spin = true;
-    else if (arg == "--json") cfg.json = value();
-    else if (arg == "--codec") cfg.codec = value();
-    else if (arg == "--threshold") cfg.codec_settings.threshold = std::stof(value());
-    else if (arg == "--keep") cfg.codec_settings.keep = std::stod(value());
-    else if (arg == "--topology") cfg.topology = value();
-    else if (arg == "--partitions") cfg.partitions = std::stoul(value());
-    else if (arg == "--servers") cfg.servers = std::stoul(value());
-    else if (arg == "--dedicated") cfg.dedicated = true;
-    else if (arg == "--chunk-mib") cfg.chunk_mib = std::stod(value());
-    else if (arg == "--executor") cfg.executor = value();
-    else if (arg == "--compute-threads") cfg.compute_threads = std::stoi(value());
-    else if (arg == "--selective") cfg.selective = true;
-    else if (arg == "--coordinate") cfg.coordination.enabled = true;
-    else if (arg == "--window") cfg.coordination.window = std::stoi(value());
-    else if (arg == "--batch-kib") cfg.coordination.batch_bytes = std::stoul(value()) << 10;
-    else
-      throw std::invalid_argument("unknown option " + arg +
-                                  "; use --trace FILE --bucketing per-tensor|fixed-size|time-clustered --cap-mib C --min-bucket-kib K "
-                                  "--codec NAME --threshold T --keep F --topology ring|parameter-server --partitions P --servers S --dedicated --chunk-mib M "
-                                  "--executor task-graph|serial --compute-threads N --selective --coordinate --window W --batch-kib K "
-                                  "--iters I --warmup W --size-scale S --time-scale T --jitter X --drift-at N "
-                                  "--drift-factor F --spin --json PATH");
-  }
-  if (cfg.trace.empty()) throw std::invalid_argument("--trace FILE is required (bench/traces/*.trace)");
-  if (cfg.iters < 1 || cfg.warmup < 1 || cfg.size_scale <= 0 || cfg.time_scale < 0 || cfg.jitter < 0 ||
-      cfg.jitter >= 1 || cfg.cap_mib <= 0)
-    throw std::invalid_argument("need iters, warmup >= 1, size-scale > 0, time-scale >= 0, 0 <= jitter < 1, cap-mib > 0");
-  if (cfg.topology != "ring" && cfg.topology != "parameter-server")
-    throw std::invalid_argument("--topology must be ring or parameter-server");
-  if ((cfg.servers > 0 || cfg.dedicated) && cfg.topology != "parameter-server")
-    throw std::invalid_argument("--servers and --dedicated need --topology parameter-server");
-  if (cfg.executor != "task-graph" && cfg.executor != "serial")
-    throw std::invalid_argument("--executor must be task-graph or serial");
-  if (cfg.compute_threads < 1) throw std::invalid_argument("--compute-threads must be at least 1");
-  if (cfg.chunk_mib <= 0) throw std::invalid_argument("--chunk-mib must be positive");
-  return cfg;
+void declare_options(CLI::App& app, Config& cfg) {
+  app.add_option("--trace", cfg.trace, "the trace to replay (bench/traces/*.trace)")->required()->check(CLI::ExistingFile);
+  tk::add_choice(app, "--bucketing", cfg.bucketing, "the bucketing policy", tk::bucketing_names);
+  tk::add_number(app, "--cap-mib", cfg.cap_mib, "fixed-size's bucket cap, in MiB", {.low = 0, .low_open = true});
+  tk::add_number(app, "--min-bucket-kib", cfg.min_bucket_kib, "time-clustered's smallest bucket, in KiB (0: its default)",
+                 {.low = 0});
+  tk::add_codec_options(app, cfg.codec, cfg.codec_settings);
+  tk::add_choice(app, "--topology", cfg.topology, "the schedule", tk::topology_names);
+  tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
+  tk::add_server_placement(app, cfg.servers, cfg.dedicated, cfg.topology);
+  tk::add_number(app, "--chunk-mib", cfg.chunk_mib, "the topology's piece size, in MiB", {.low = 0, .low_open = true});
+  tk::add_choice(app, "--executor", cfg.executor, "what runs the synchronization's steps", {"task-graph", "serial"});
+  tk::add_number(app, "--compute-threads", cfg.compute_threads, "threads of the task graph's compute queue", {.low = 1});
+  app.add_flag("--selective", cfg.selective, "compress only the buckets where the ranks measured it to pay");
+  app.add_flag("--coordinate", cfg.coordination.enabled, "grant sends in batches, a window of them per link");
+  tk::add_number(app, "--window", cfg.coordination.window, "batches in flight per link (--coordinate)", {.low = 1});
+  app.add_option_function<std::size_t>(
+         "--batch-kib", [&cfg](std::size_t kib) { cfg.coordination.batch_bytes = kib << 10; },
+         "a batch closes once it holds this many KiB (--coordinate)")
+      ->default_str(std::to_string(cfg.coordination.batch_bytes >> 10))
+      ->transform(tk::number<std::size_t>({.low = 1, .high = std::numeric_limits<std::size_t>::max() >> 10}));
+  tk::add_number(app, "--iters", cfg.iters, "measured iterations", {.low = 1});
+  tk::add_number(app, "--warmup", cfg.warmup, "iterations before them, not measured", {.low = 1});
+  tk::add_number(app, "--size-scale", cfg.size_scale, "multiplies every tensor's element count", {.low = 0, .low_open = true});
+  tk::add_number(app, "--time-scale", cfg.time_scale, "multiplies every compute time (0: every gradient ready at once)",
+                 {.low = 0});
+  tk::add_number(app, "--jitter", cfg.jitter, "stretches each layer's time by a random factor in [1-X, 1+X]",
+                 {.low = 0, .high = 1, .high_open = true});
+  tk::add_number(app, "--drift-at", cfg.drift_at, "from this iteration on, the first half of backward is slower (-1: never)",
+                 {.low = -1});
+  tk::add_number(app, "--drift-factor", cfg.drift_factor, "how much slower", {.low = 0, .low_open = true});
+  app.add_flag("--spin", cfg.spin, "busy-wait through compute instead of sleeping");
+  app.add_option("--json", cfg.json, "also write the results and every iteration as JSON to this file");
 }
 
 // Calls f(bucketing policy) for the policy the options name.
@@ -315,15 +308,18 @@ int with_bucketing(const Config& cfg, F&& f) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  Config cfg = parse(argc, argv);
+  Config cfg;
+  CLI::App app("A training step driven by a trace: its gradients averaged over TCP as backward produces them", "replay");
+  declare_options(app, cfg);
+  if (!tk::parse_options(app, argc, argv)) return 0;
   std::ifstream file(cfg.trace);
   if (!file) throw std::runtime_error("cannot open " + cfg.trace);
   const auto trace = gradsync_bench::read_trace(file, cfg.trace);
-  gs::transport::Tcp transport = gradsync_examples::connect_or_alone();
+  gs::transport::Tcp transport = tk::connect_or_alone();
   cfg.codec_settings.rank = transport.rank();
   const auto chunk = std::max<std::size_t>(1, static_cast<std::size_t>(cfg.chunk_mib * (1 << 20) / sizeof(float)));
   return with_bucketing(cfg, [&](const auto& policy) {
-    return gradsync_examples::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
+    return tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
       if (cfg.topology == "parameter-server")
         return run(cfg, trace, std::move(transport), policy, codec,
                    gs::topology::ParameterServer{.partitions = cfg.partitions,

@@ -12,23 +12,24 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/os.h>
 
-#include "codec_by_name.hpp"
-#include "connect.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
+#include "toolkit/codec_by_name.hpp"
+#include "toolkit/connect.hpp"
+#include "toolkit/json.hpp"
+#include "toolkit/options.hpp"
+#include "toolkit/workers.hpp"
 #include "trainer.hpp"
-#include "workers.hpp"
 
 namespace {
 
 namespace gs = gradsync;
+namespace tk = gradsync::toolkit;
 
 struct Options {
   fmnist::TrainConfig train;
@@ -36,7 +37,7 @@ struct Options {
   std::string codec = "none";
   // Two-bit's threshold for this model's gradients (the library's default, MXNet's 0.5, is for
   // larger ones); see results/README.md for how it was chosen.
-  gradsync_examples::CodecSettings codec_settings{.threshold = 0.1f};
+  tk::CodecSettings codec_settings{.threshold = 0.1f};
   std::vector<std::size_t> hidden{256, 128};
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::string json;
@@ -45,57 +46,25 @@ struct Options {
   bool dedicated = false;
 };
 
-constexpr const char* usage =
-    "usage: fmnist [--epochs E] [--batch B] [--lr R] [--momentum M] [--bucketing fixed-size|per-tensor|time-clustered]\n"
-    "              [--codec NAME] [--threshold T] [--keep F] [--hidden 256,128] [--steps S] [--data DIR]\n"
-    "              [--json PATH] [--seed N] [--topology ring|parameter-server] [--servers S] [--dedicated]\n"
-    "Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.\n"
-    "--threshold: two-bit's (default 0.1); --keep: the fraction top-k and random-k keep (default 0.01).\n"
-    "Codecs: ";
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--epochs") o.train.epochs = std::stoi(value());
-    else if (arg == "--batch") o.train.batch = std::stoul(value());
-    else if (arg == "--lr") o.train.learning_rate = std::stof(value());
-    else if (arg == "--momentum") o.train.momentum = std::stof(value());
-    else if (arg == "--steps") o.train.max_steps = std::stoul(value());
-    else if (arg == "--seed") o.train.seed = std::stoull(value());
-    else if (arg == "--bucketing") o.bucketing = value();
-    else if (arg == "--codec") o.codec = value();
-    else if (arg == "--threshold") o.codec_settings.threshold = std::stof(value());
-    else if (arg == "--keep") o.codec_settings.keep = std::stod(value());
-    else if (arg == "--data") o.data = value();
-    else if (arg == "--json") o.json = value();
-    else if (arg == "--topology") o.topology = value();
-    else if (arg == "--servers") o.servers = std::stoul(value());
-    else if (arg == "--dedicated") o.dedicated = true;
-    else if (arg == "--hidden") {
-      o.hidden.clear();
-      std::stringstream list(value());
-      for (std::string item; std::getline(list, item, ',');) o.hidden.push_back(std::stoul(item));
-    } else if (arg == "--help" || arg == "-h") {
-      fmt::print("{}{}\n", usage, gradsync_examples::codec_names);
-      std::exit(0);
-    } else {
-      throw std::invalid_argument("unknown option " + arg + "\n" + usage + gradsync_examples::codec_names);
-    }
-  }
-  if (o.train.epochs < 1 || o.train.batch < 1 || o.hidden.empty())
-    throw std::invalid_argument("--epochs and --batch must be positive and --hidden must list at least one layer");
-  if (o.bucketing != "fixed-size" && o.bucketing != "per-tensor" && o.bucketing != "time-clustered")
-    throw std::invalid_argument("--bucketing must be fixed-size, per-tensor or time-clustered");
-  if (o.topology != "ring" && o.topology != "parameter-server")
-    throw std::invalid_argument("--topology must be ring or parameter-server");
-  if ((o.servers > 0 || o.dedicated) && o.topology != "parameter-server")
-    throw std::invalid_argument("--servers and --dedicated need --topology parameter-server");
-  return o;
+void declare_options(CLI::App& app, Options& o) {
+  tk::add_number(app, "--epochs", o.train.epochs, "passes over the training set", {.low = 1});
+  tk::add_number(app, "--batch", o.train.batch, "samples per step, per rank", {.low = 1});
+  tk::add_number(app, "--lr", o.train.learning_rate, "learning rate", {.low = 0, .low_open = true});
+  tk::add_number(app, "--momentum", o.train.momentum, "momentum", {.low = 0, .high = 1, .high_open = true});
+  tk::add_choice(app, "--bucketing", o.bucketing, "how gradients are grouped into buckets", tk::bucketing_names);
+  tk::add_codec_options(app, o.codec, o.codec_settings);
+  app.add_option("--hidden", o.hidden, "the hidden layers' sizes, comma-separated")
+      ->capture_default_str()
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->transform(tk::number<std::size_t>({.low = 1}));
+  tk::add_number(app, "--steps", o.train.max_steps, "steps per epoch (0: the whole training set)");
+  app.add_option("--data", o.data, "the directory of the Fashion-MNIST files")->capture_default_str();
+  app.add_option("--json", o.json, "also write the results as JSON to this file");
+  tk::add_number(app, "--seed", o.train.seed, "seeds the model, the shuffling and the codecs' random draws");
+  tk::add_choice(app, "--topology", o.topology, "the schedule", tk::topology_names);
+  tk::add_server_placement(app, o.servers, o.dedicated, o.topology);
+  app.footer("Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.");
 }
 
 // A bar on a terminal; every tenth of the epoch as a line otherwise (gradsync-run, logs).
@@ -121,7 +90,7 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec, cons
   Sync sync(std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec, topology);
   const bool leader = sync.rank() == 0;
   fmnist::TrainConfig train = o.train;
-  train.workers = static_cast<std::size_t>(gradsync_examples::workers(topology, sync.size()));
+  train.workers = static_cast<std::size_t>(tk::workers(topology, sync.size()));
   const fmnist::Dataset train_set = fmnist::load_split(o.data, true);
   const fmnist::Dataset test_set = fmnist::load_split(o.data, false);
   std::vector<std::size_t> sizes{train_set.pixels};
@@ -160,30 +129,38 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec, cons
              sync.size(), reports.size(), last.test_accuracy, static_cast<double>(steps * o.train.batch * train.workers) / seconds,
              100 * exposed / seconds);
   if (!o.json.empty()) {
-    auto out = fmt::output_file(o.json);
-    out.print(R"({{"ranks": {}, "workers": {}, "batch_per_rank": {}, "layers": [{}], "parameters": {}, )"
-              R"("bucketing": "{}", "codec": "{}", "topology": "{}", "learning_rate": {}, "momentum": {}, "epochs": [)",
-              sync.size(), train.workers, o.train.batch, fmt::join(sizes, ", "), model.parameters(), o.bucketing,
-              codec.describe(), topology.describe(), o.train.learning_rate, o.train.momentum);
-    for (std::size_t i = 0; i < reports.size(); ++i) {
-      const auto& r = reports[i];
-      out.print(R"({}{{"epoch": {}, "steps": {}, "seconds": {:.3f}, "samples_per_second": {:.1f}, "loss": {:.5f}, )"
-                R"("test_accuracy": {:.4f}, "exposed_seconds": {:.3f}, "bytes_sent": {}}})",
-                i ? ", " : "", r.epoch, r.steps, r.seconds, r.samples_per_second, r.loss, r.test_accuracy,
-                r.exposed_seconds, r.bytes_sent);
-    }
-    out.print("]}}\n");
+    tk::Json epochs = tk::Json::array();
+    for (const auto& r : reports)
+      epochs.push_back({{"epoch", r.epoch},
+                        {"steps", r.steps},
+                        {"seconds", tk::rounded(r.seconds, 3)},
+                        {"samples_per_second", tk::rounded(r.samples_per_second, 1)},
+                        {"loss", tk::rounded(r.loss, 5)},
+                        {"test_accuracy", tk::rounded(r.test_accuracy, 4)},
+                        {"exposed_seconds", tk::rounded(r.exposed_seconds, 3)},
+                        {"bytes_sent", r.bytes_sent}});
+    tk::write_json(o.json, {{"ranks", sync.size()},
+                            {"workers", train.workers},
+                            {"batch_per_rank", o.train.batch},
+                            {"layers", sizes},
+                            {"parameters", model.parameters()},
+                            {"bucketing", o.bucketing},
+                            {"codec", codec.describe()},
+                            {"topology", topology.describe()},
+                            {"learning_rate", tk::as_written(o.train.learning_rate)},
+                            {"momentum", tk::as_written(o.train.momentum)},
+                            {"epochs", epochs}});
   }
   return 0;
 }
 
 template <class Bucketing>
 int with_codec(const Options& o) {
-  gs::transport::Tcp transport = gradsync_examples::connect_or_alone();
+  gs::transport::Tcp transport = tk::connect_or_alone();
   auto settings = o.codec_settings;
   settings.seed = o.train.seed;
   settings.rank = transport.rank();
-  return gradsync_examples::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
+  return tk::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
     if (o.topology == "parameter-server")
       return run<Bucketing>(o, std::move(transport), codec,
                             gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated});
@@ -194,7 +171,10 @@ int with_codec(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const Options o = parse(argc, argv);
+  Options o;
+  CLI::App app("Data-parallel training of an MLP on Fashion-MNIST through gradsync", "fmnist");
+  declare_options(app, o);
+  if (!tk::parse_options(app, argc, argv)) return 0;
   if (o.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(o);
   if (o.bucketing == "time-clustered") return with_codec<gs::bucketing::TimeClustered>(o);
   return with_codec<gs::bucketing::FixedSize>(o);

@@ -16,8 +16,10 @@
 
 #include <fmt/format.h>
 
-#include "codec_by_name.hpp"
 #include "gradsync/gradsync.hpp"
+#include "toolkit/codec_by_name.hpp"
+#include "toolkit/options.hpp"
+#include "toolkit/statistics.hpp"
 
 namespace {
 
@@ -107,11 +109,8 @@ void train_rank(Sync& sync, const Config& cfg, const Teacher& teacher, std::barr
     for (std::size_t k = 0; k < b.size(); ++k) b[k] -= lr * gb[k];
     losses[static_cast<std::size_t>(sync.rank())] = loss / batch_per_rank;
     epoch_end.arrive_and_wait();
-    if (sync.rank() == 0 && (step % 50 == 0 || step + 1 == cfg.steps)) {
-      double mean = 0;
-      for (double l : losses) mean += l;
-      fmt::print("step {:>4}  loss {:.5f}\n", step, mean / static_cast<double>(losses.size()));
-    }
+    if (sync.rank() == 0 && (step % 50 == 0 || step + 1 == cfg.steps))
+      fmt::print("step {:>4}  loss {:.5f}\n", step, gradsync::toolkit::mean(losses));
     epoch_end.arrive_and_wait();
   }
   out.step_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count() / cfg.steps;
@@ -159,32 +158,25 @@ int run(const Config& cfg, const Codec& codec) {
 
 template <class Bucketing>
 int with_codec(const Config& cfg) {
-  return gradsync_examples::with_codec(cfg.codec, {},
+  return gradsync::toolkit::with_codec(cfg.codec, {},
                                        [&](const auto& codec) { return run<Bucketing>(cfg, codec); });
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
+  namespace tk = gradsync::toolkit;
   Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--ranks") cfg.ranks = std::stoi(value());
-    else if (arg == "--steps") cfg.steps = std::stoi(value());
-    else if (arg == "--codec") cfg.codec = value();
-    else if (arg == "--bucketing") cfg.bucketing = value();
-    else throw std::invalid_argument("unknown option " + arg +
-                                     "; use --ranks N --steps S --codec NAME --bucketing fixed-size|per-tensor|time-clustered");
-  }
-  if (cfg.ranks < 1 || cfg.steps < 1) throw std::invalid_argument("--ranks and --steps must be positive");
+  CLI::App app("Data-parallel training of a linear model on synthetic data, with ranks as threads of this process",
+               "quickstart");
+  tk::add_number(app, "--ranks", cfg.ranks, "ranks, one thread each", {.low = 1});
+  tk::add_number(app, "--steps", cfg.steps, "training steps", {.low = 1});
+  tk::add_codec_option(app, cfg.codec);
+  tk::add_choice(app, "--bucketing", cfg.bucketing, "how gradients are grouped into buckets", tk::bucketing_names);
+  if (!tk::parse_options(app, argc, argv)) return 0;
   if (cfg.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(cfg);
-  if (cfg.bucketing == "fixed-size") return with_codec<gs::bucketing::FixedSize>(cfg);
   if (cfg.bucketing == "time-clustered") return with_codec<gs::bucketing::TimeClustered>(cfg);
-  throw std::invalid_argument("--bucketing must be fixed-size, per-tensor or time-clustered");
+  return with_codec<gs::bucketing::FixedSize>(cfg);
 } catch (const std::exception& e) {
   fmt::print(stderr, "quickstart: {}\n", e.what());
   return 2;

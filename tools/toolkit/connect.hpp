@@ -5,7 +5,7 @@
 #include "gradsync/launch/environment.hpp"
 #include "gradsync/transport/tcp.hpp"
 
-namespace gradsync_examples {
+namespace gradsync::toolkit {
 
 inline gradsync::transport::Tcp connect_or_alone() {
   namespace gs = gradsync;
@@ -15,4 +15,4 @@ inline gradsync::transport::Tcp connect_or_alone() {
   return gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = "single-process"});
 }
 
-}  // namespace gradsync_examples
+}  // namespace gradsync::toolkit

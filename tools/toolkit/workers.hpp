@@ -5,11 +5,11 @@
 #include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/ring.hpp"
 
-namespace gradsync_examples {
+namespace gradsync::toolkit {
 
 inline int workers(const gradsync::topology::Ring&, int ranks) { return ranks; }
 inline int workers(const gradsync::topology::ParameterServer& ps, int ranks) {
   return ps.contributors(gradsync::Group::world(0, ranks));
 }
 
-}  // namespace gradsync_examples
+}  // namespace gradsync::toolkit

@@ -7,14 +7,19 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "gradsync/gradsync.hpp"
 
-namespace gradsync_examples {
+namespace gradsync::toolkit {
 
-inline constexpr const char* codec_names =
-    "none, fp16, bf16, two-bit, one-bit, terngrad, top-k, random-k, and with error feedback ef-two-bit, "
-    "ef-one-bit, ef-top-k, ef-random-k";
+// Every name with_codec knows; the ef- ones add error feedback to the codec they name.
+inline const std::vector<std::string> codec_names{"none",     "fp16",       "bf16",       "two-bit",  "one-bit",
+                                                  "terngrad", "top-k",      "random-k",   "ef-two-bit", "ef-one-bit",
+                                                  "ef-top-k", "ef-random-k"};
 
 // The knobs of the codecs that have them; each codec reads its own.
 struct CodecSettings {
@@ -43,7 +48,7 @@ decltype(auto) with_codec(std::string_view name, const CodecSettings& s, F&& f) 
   if (name == "ef-one-bit") return f(c::ErrorFeedback<c::OneBit>{});
   if (name == "ef-top-k") return f(c::ErrorFeedback<c::TopK>{top_k});
   if (name == "ef-random-k") return f(c::ErrorFeedback<c::RandomK>{random_k});
-  throw std::invalid_argument("unknown codec '" + std::string(name) + "'; choose one of " + codec_names);
+  throw std::invalid_argument(fmt::format("unknown codec '{}'; choose one of {}", name, fmt::join(codec_names, ", ")));
 }
 
-}  // namespace gradsync_examples
+}  // namespace gradsync::toolkit

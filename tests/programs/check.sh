@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# A command-line program (examples/, bench/) refuses malformed and out-of-range option values with
+# a failing status and a message that names the option; it accepts what it always took, and the
+# JSON it writes stays valid (odd strings included).
+#   check.sh PROGRAM TRACES_DIR     (the cases are chosen by the program's name)
+set -uo pipefail
+program=$1 traces=$2
+name=$(basename "$program")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# refuses OPTION ARG...: running the program with ARG... fails, and its message names OPTION.
+refuses() {
+  local option=$1 message status
+  shift
+  message=$(timeout 60 "$program" "$@" 2>&1 >/dev/null)
+  status=$?
+  if ((status == 0)); then
+    fail "$name $* was accepted"
+  elif [[ $message != "$name: "*"$option"* ]]; then
+    fail "$name $* (status $status): the message does not name $option: $message"
+  else
+    echo "refused: $name $* -> $message"
+  fi
+}
+
+# succeeds ARG...: running the program with ARG... succeeds.
+succeeds() {
+  local output
+  if ! output=$(timeout 120 "$program" "$@" 2>&1); then
+    fail "$name $* failed: $output"
+  else
+    echo "accepted: $name $*"
+  fi
+}
+
+# valid_json FILE PYTHON: FILE parses as JSON, and PYTHON (an expression of `d`, the parsed value) holds.
+valid_json() {
+  if python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); sys.exit(0 if eval(sys.argv[2]) else 1)' "$1" "$2"; then
+    echo "valid JSON: $2"
+  else
+    fail "$1 is not valid JSON or does not satisfy $2: $(cat "$1")"
+  fi
+}
+
+# Every program answers --help with its options.
+if help=$("$program" --help) && [[ $help == *--json* || $help == *--ranks* ]]; then
+  echo "--help: ok"
+else
+  fail "$name --help: $help"
+fi
+required=()  # the options a program cannot run without
+[[ $name == replay ]] && required=(--trace "$traces/resnet50.trace")
+refuses --frobnicate "${required[@]}" --frobnicate
+
+case $name in
+  quickstart)
+    refuses --ranks --ranks 4x
+    refuses --ranks --ranks 0
+    refuses --steps --steps ""
+    refuses --steps --steps -1
+    refuses --codec --codec zip
+    refuses --bucketing --bucketing tree
+    succeeds --ranks 3 --ranks 2 --steps 2 --codec ef-two-bit --bucketing per-tensor  # the last --ranks counts
+    ;;
+  fmnist)
+    refuses --epochs --epochs 4x
+    refuses --epochs --epochs 0
+    refuses --batch --batch ""
+    refuses --batch --batch -1
+    refuses --lr --lr nan
+    refuses --lr --lr 0
+    refuses --momentum --momentum 1
+    refuses --threshold --threshold -0.1
+    refuses --keep --keep nan
+    refuses --keep --keep 1.5
+    refuses --hidden --hidden 256,x
+    refuses --hidden --hidden 256,0
+    refuses --steps --steps 1e3
+    refuses --seed --seed -1
+    refuses --topology --topology tree
+    refuses --servers --servers 2
+    refuses --dedicated --dedicated
+    # Accepted options get as far as reading the data (absent here).
+    message=$("$program" --data "$work/no-data" --hidden 64,32 --codec ef-top-k --keep 0.1 --lr 0.05 --momentum 0.9 \
+      --topology parameter-server --servers 1 --seed 7 2>&1)
+    if [[ $message == *"$work/no-data"* ]]; then echo "accepted: got as far as the data"; else fail "fmnist: $message"; fi
+    ;;
+  allreduce)
+    refuses --ranks --ranks 4x
+    refuses --ranks --ranks 0
+    refuses --min-bytes --min-bytes 4x
+    refuses --min-bytes --min-bytes 2
+    refuses --max-bytes --max-bytes 1T
+    refuses --max-bytes --max-bytes 99999999999G
+    refuses --step-factor --step-factor 1
+    refuses --iters --iters 0
+    refuses --warmup --warmup ""
+    refuses --keep --keep nan
+    refuses --threshold --threshold 0
+    refuses --chunk-bytes --chunk-bytes -1
+    refuses --partitions --partitions 1.5
+    refuses --transport --transport udp
+    refuses --min-bytes --min-bytes 8K --max-bytes 4K
+    succeeds --ranks 2 --min-bytes 1K --max-bytes 4KiB --iters 1 --warmup 1 --chunk-bytes 1K --codec ef-two-bit \
+      --json "$work/allreduce.json"
+    valid_json "$work/allreduce.json" '[r["bytes"] for r in d] == [1024, 4096] and d[0]["codec"] == "ef-two-bit"'
+    ;;
+  codecs)
+    refuses --min-mib --min-mib 4x
+    refuses --min-mib --min-mib 0
+    refuses --max-mib --max-mib -1
+    refuses --max-mib --max-mib 99999999999999999
+    refuses --step-factor --step-factor 1
+    refuses --iters --iters 0
+    refuses --codec --codec zip
+    refuses --min-mib --min-mib 2 --max-mib 1
+    succeeds --min-mib 1 --max-mib 1 --iters 1 --codec fp16 top-k --json "$work/codecs.json"
+    valid_json "$work/codecs.json" '[r["codec"] for r in d] == ["fp16", "top-k"] and d[0]["bytes"] == 1 << 20'
+    ;;
+  replay)
+    trace=$traces/resnet50.trace
+    refuses --iters --trace "$trace" --iters 4x
+    refuses --iters --trace "$trace" --iters 0
+    refuses --warmup --trace "$trace" --warmup -1
+    refuses --cap-mib --trace "$trace" --cap-mib x
+    refuses --cap-mib --trace "$trace" --cap-mib 0
+    refuses --min-bucket-kib --trace "$trace" --min-bucket-kib -1
+    refuses --size-scale --trace "$trace" --size-scale 0
+    refuses --time-scale --trace "$trace" --time-scale -1
+    refuses --jitter --trace "$trace" --jitter 1
+    refuses --jitter --trace "$trace" --jitter nan
+    refuses --drift-at --trace "$trace" --drift-at -2
+    refuses --drift-factor --trace "$trace" --drift-factor 0
+    refuses --chunk-mib --trace "$trace" --chunk-mib nan
+    refuses --partitions --trace "$trace" --partitions -1
+    refuses --compute-threads --trace "$trace" --compute-threads 0
+    refuses --window --trace "$trace" --window 0
+    refuses --batch-kib --trace "$trace" --batch-kib 4x
+    refuses --batch-kib --trace "$trace" --batch-kib 0
+    refuses --keep --trace "$trace" --keep 2
+    refuses --executor --trace "$trace" --executor eager
+    refuses --servers --trace "$trace" --servers 1
+    refuses --trace --iters 1
+    refuses --trace --trace "$work/missing.trace"
+    # A trace whose name needs escaping in JSON.
+    odd=$work/'odd "name" \ tab	.trace'
+    cp "$trace" "$odd"
+    succeeds --trace "$odd" --iters 1 --warmup 1 --time-scale 0 --size-scale 0.01 --bucketing fixed-size --cap-mib 0.5 \
+      --json "$work/replay.json"
+    valid_json "$work/replay.json" 'd["trace"].endswith("odd \"name\" \\ tab\t.trace") and len(d["samples"]) == 1'
+    ;;
+  *)
+    fail "no cases for $name"
+    ;;
+esac
+echo "$failures failure(s)"
+((failures == 0))
