@@ -2,9 +2,13 @@
 // connects to it, and its first connection carries the rendezvous: the address that rank listens
 // on goes to rank 0, and once all have reported, rank 0 sends back every rank's. Each rank then
 // connects to the ranks below it and accepts the ranks above. Every connection opens with the
-// handshake: hellos both ways, then proofs of the job token both ways. A refused connection is
-// logged (TcpOptions::log) and the wait goes on, so a stray process cannot take a job down; the setup timeout's
-// Error lists the refusals if the real rank never comes.
+// handshake: hellos both ways, then proofs of the job token both ways. A connection that claims a
+// rank this rank is waiting for, but disagrees with it (another token, world size or socket
+// count), ends the setup at once with why: that rank has refused this one too and is failing
+// with the same facts, so waiting for the setup timeout would only hide the cause. Any other
+// refused connection (garbage, a rank already connected or not expected here) is logged
+// (TcpOptions::log) and the wait goes on; the setup timeout's Error lists the refusals if the real
+// rank never comes.
 //
 // Everything here blocks the constructing thread: each step runs the io_context until it is done
 // or the setup deadline has passed, before the io thread exists.
@@ -137,6 +141,10 @@ class Setup {
       if (!h.peer) {
         const std::string line = fmt::format("refused a connection from {}: {}", from, h.refusal);
         log_line(options_.log, fmt::format("gradsync: rank {}: {}", me, line));
+        if (h.disagreeing_rank && awaited(*h.disagreeing_rank))
+          throw Error(ErrorKind::mismatch, where(static_cast<int>(*h.disagreeing_rank), "tcp setup"),
+                      fmt::format("rank {} (connecting from {}) cannot join this job: {}", *h.disagreeing_rank, from,
+                                  h.refusal));
         refused.push_back(line);
         continue;
       }
@@ -238,6 +246,9 @@ class Setup {
   struct Handshake {
     std::optional<tcp_wire::Hello> peer;  // set only when the peer is accepted
     std::string refusal;                  // why it was refused, when it was
+    // The rank a well-formed hello claimed, when the refusal is a disagreement between the two
+    // processes (token, world size, socket count) rather than a stranger's garbage.
+    std::optional<std::uint32_t> disagreeing_rank;
   };
 
   Handshake handshake(tcp::socket& s, std::uint32_t connection, Clock::time_point deadline) {
@@ -252,7 +263,10 @@ class Setup {
     result.refusal = disagreement(mine, *hello);
     if (result.refusal.empty() && !proofs_verify(s, own, theirs, deadline))
       result.refusal = "its proof of the job token does not verify: the two processes were given different GRADSYNC_TOKEN values";
-    if (result.refusal.empty()) result.peer = hello;
+    if (result.refusal.empty())
+      result.peer = hello;
+    else
+      result.disagreeing_rank = hello->rank;
     return result;
   }
 
@@ -309,6 +323,13 @@ class Setup {
       h.refusal = fmt::format("rank {} connection {} is already connected", peer, h.peer->connection);
     if (!h.refusal.empty()) h.peer.reset();
     return h;
+  }
+
+  // Whether this rank still waits for a connection from `rank`.
+  bool awaited(std::uint32_t rank) const {
+    if (rank <= static_cast<std::uint32_t>(options_.rank) || rank >= sockets_.size()) return false;
+    const auto& connections = sockets_[rank];
+    return std::any_of(connections.begin(), connections.end(), [](const auto& s) { return !s; });
   }
 
   static std::string remote_address(const tcp::socket& s) {
