@@ -66,8 +66,9 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //                             site and never shares it between sites.
 //   identity                  encoded bytes are the values themselves (no work to encode/decode;
 //                             schedules send and receive in place).
-//   lossless                  decode(encode(x)) == x bit for bit.
-//   summable                  encoded data can be added without decoding first.
+//   lossless                  decode(encode(x)) == x bit for bit. The engine does not read it;
+//                             bench/replay checks that a lossless codec's averages are exact,
+//                             and the codec tests that a lossy one is not.
 //   max_encoded_bytes(n, t)   an upper bound for n values of accumulation dtype t; buffers are
 //                             sized with it once, when the plan is made.
 //   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
@@ -87,7 +88,6 @@ concept CompressionPolicy = std::copyable<C> &&
       typename C::State;
       { C::identity } -> std::convertible_to<bool>;
       { C::lossless } -> std::convertible_to<bool>;
-      { C::summable } -> std::convertible_to<bool>;
       { c.describe() } -> std::convertible_to<std::string>;
       { c.make_state(n, dtype) } -> std::same_as<typename C::State>;
       { c.max_encoded_bytes(n, dtype) } -> std::same_as<std::size_t>;
@@ -99,7 +99,7 @@ concept CompressionPolicy = std::copyable<C> &&
 
 template <CompressionPolicy C>
 constexpr CodecTraits codec_traits() noexcept {
-  return {.identity = C::identity, .summable = C::summable};
+  return {.identity = C::identity};
 }
 
 // ---------------------------------------------------------------------------------------------

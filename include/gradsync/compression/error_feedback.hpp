@@ -32,7 +32,6 @@ struct ErrorFeedback {
   };
   static constexpr bool identity = false;
   static constexpr bool lossless = C::lossless;
-  static constexpr bool summable = C::summable;
 
   std::string describe() const { return fmt::format("error-feedback({})", codec.describe()); }
 
