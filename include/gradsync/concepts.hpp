@@ -57,7 +57,19 @@ concept BucketingPolicy = std::copyable<B> &&
 // How decode() combines decoded values with what the destination already holds.
 enum class DecodeMode : std::uint8_t { overwrite, add };
 
-// CompressionPolicy: a codec for contiguous runs of f32 or f64 values.
+// CodecFor<C, T>: C encodes and decodes contiguous runs of T values (float or double).
+//
+//   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
+//   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
+//                             out.size() values are an Error (protocol), never a crash.
+template <class C, class T>
+concept CodecFor = requires(const C& c, typename C::State& state, std::span<const T> in, std::span<T> out,
+                            std::span<std::byte> encoded_out, std::span<const std::byte> encoded_in, DecodeMode mode) {
+  { c.encode(in, state, encoded_out) } -> std::same_as<std::size_t>;
+  c.decode(encoded_in, out, mode);
+};
+
+// CompressionPolicy: a codec for contiguous runs of f32 values, and optionally of f64 values.
 //
 //   State                     per-site state (an error-feedback residual, a random stream);
 //                             make_state(n, t) builds it for a site that encodes n values of
@@ -71,9 +83,11 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //                             and the codec tests that a lossy one is not.
 //   max_encoded_bytes(n, t)   an upper bound for n values of accumulation dtype t; buffers are
 //                             sized with it once, when the plan is made.
-//   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
-//   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
-//                             out.size() values are an Error (protocol), never a crash.
+//   encode and decode for f32 (CodecFor<C, float>). Every gradient but an f64 one accumulates in
+//                             f32, so this is the path every codec needs.
+//   Optional: encode and decode for f64 (CodecFor<C, double>). Without them a Synchronizer
+//                             refuses f64 gradients in add() (ErrorKind::unsupported), and
+//                             ErrorFeedback<C> has no f64 path either.
 //   Optional: encode_keeping_error(values, residual, state, out)
 //                             encodes p = residual + values (of equal sizes) and leaves
 //                             -(-p + decode(encoding)) in residual, bit for bit what
@@ -81,20 +95,14 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //                             stays a NaN, but the compiler may flip its sign bit), in fewer
 //                             passes; ErrorFeedback<C> uses it when C has it.
 template <class C>
-concept CompressionPolicy = std::copyable<C> &&
-    requires(const C& c, typename C::State& state, std::size_t n, DType dtype, std::span<const float> f32_in,
-             std::span<const double> f64_in, std::span<float> f32_out, std::span<double> f64_out,
-             std::span<std::byte> encoded_out, std::span<const std::byte> encoded_in) {
+concept CompressionPolicy = std::copyable<C> && CodecFor<C, float> &&
+    requires(const C& c, std::size_t n, DType dtype) {
       typename C::State;
       { C::identity } -> std::convertible_to<bool>;
       { C::lossless } -> std::convertible_to<bool>;
       { c.describe() } -> std::convertible_to<std::string>;
       { c.make_state(n, dtype) } -> std::same_as<typename C::State>;
       { c.max_encoded_bytes(n, dtype) } -> std::same_as<std::size_t>;
-      { c.encode(f32_in, state, encoded_out) } -> std::same_as<std::size_t>;
-      { c.encode(f64_in, state, encoded_out) } -> std::same_as<std::size_t>;
-      c.decode(encoded_in, f32_out, DecodeMode::add);
-      c.decode(encoded_in, f64_out, DecodeMode::overwrite);
     };
 
 template <CompressionPolicy C>
