@@ -26,6 +26,17 @@ namespace gradsync {
 // ---------------------------------------------------------------------------------------------
 // BucketingPolicy: which gradients travel together, in what order.
 //
+// A plan (BucketPlan, plan.hpp) lists buckets in launch order, each with its gradients in packing
+// order. The Synchronizer installs a plan only if
+//   - every registered gradient is in exactly one bucket, and no bucket is empty;
+//   - the gradients of a bucket share one accumulation dtype (types.hpp: f64 for f64 gradients,
+//     f32 for f32, f16 and bf16 ones), because a bucket is one flat buffer of that dtype;
+//   - there are at most engine::max_buckets (65,535) buckets, the bucket field of a message tag;
+// and throws Error(invalid_argument) naming the policy otherwise. Every rank must run the same
+// plan: buckets launch strictly in plan order and the ranks pair their messages by bucket, so
+// initial_plan must be a pure function of the layout and the policy's fields (every rank computes
+// its own), and later plans are agreed, never taken alone (agreement_due, end_iteration).
+//
 //   initial_plan(layout)      the plan for the first iteration, from the registered layout alone.
 //   agreement_due(iteration)  true when, after `iteration` (0-based) completes, the ranks should
 //                             agree on a new plan. Must give the same answer on every rank for the
