@@ -72,7 +72,9 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //
 //   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
 //   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
-//                             out.size() values are an Error (protocol), never a crash.
+//                             out.size() values are an Error (protocol), never a crash. The same
+//                             bytes must decode to the same values on every rank: topologies send
+//                             one encoding to all, and that is what leaves them the same bits.
 template <class C, class T>
 concept CodecFor = requires(const C& c, typename C::State& state, std::span<const T> in, std::span<T> out,
                             std::span<std::byte> encoded_out, std::span<const std::byte> encoded_in, DecodeMode mode) {
@@ -90,8 +92,8 @@ concept CodecFor = requires(const C& c, typename C::State& state, std::span<cons
 //   identity                  encoded bytes are the values themselves (no work to encode/decode;
 //                             schedules send and receive in place).
 //   lossless                  decode(encode(x)) == x bit for bit. The engine does not read it;
-//                             bench/replay checks that a lossless codec's averages are exact,
-//                             and the codec tests that a lossy one is not.
+//                             bench/replay checks exact averages when it is set, and
+//                             tests/test_compression.cpp that the 16-bit codecs do not claim it.
 //   max_encoded_bytes(n, t)   an upper bound for n values of accumulation dtype t; buffers are
 //                             sized with it once, when the plan is made.
 //   encode and decode for f32 (CodecFor<C, float>). Every gradient but an f64 one accumulates in
