@@ -357,7 +357,6 @@ TEST_SUITE("compression") {
     using State = typename C::State;
     static constexpr bool identity = C::identity;
     static constexpr bool lossless = C::lossless;
-    static constexpr bool summable = C::summable;
     std::string describe() const { return codec.describe(); }
     State make_state(std::size_t n, DType dtype) const { return codec.make_state(n, dtype); }
     std::size_t max_encoded_bytes(std::size_t n, DType dtype) const { return codec.max_encoded_bytes(n, dtype); }

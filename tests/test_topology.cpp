@@ -68,7 +68,7 @@ void check_pairing(const Topology& topology, int n) {
       // (sender, receiver, message) -> elements
       std::map<std::tuple<int, int, std::uint32_t>, std::size_t> sends, recvs;
       for (int r = 0; r < n; ++r) {
-        const Schedule s = topology.schedule(Group::world(r, n), elements, {identity, false});
+        const Schedule s = topology.schedule(Group::world(r, n), elements, {.identity = identity});
         for (const Step& step : s.steps) {
           if (step.op == Step::Op::send) CHECK(sends.emplace(std::tuple{r, step.peer, step.message}, step.range.size()).second);
           if (step.op == Step::Op::recv) CHECK(recvs.emplace(std::tuple{step.peer, r, step.message}, step.range.size()).second);

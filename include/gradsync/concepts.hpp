@@ -26,6 +26,17 @@ namespace gradsync {
 // ---------------------------------------------------------------------------------------------
 // BucketingPolicy: which gradients travel together, in what order.
 //
+// A plan (BucketPlan, plan.hpp) lists buckets in launch order, each with its gradients in packing
+// order. The Synchronizer installs a plan only if
+//   - every registered gradient is in exactly one bucket, and no bucket is empty;
+//   - the gradients of a bucket share one accumulation dtype (types.hpp: f64 for f64 gradients,
+//     f32 for f32, f16 and bf16 ones), because a bucket is one flat buffer of that dtype;
+//   - there are at most engine::max_buckets (65,535) buckets, the bucket field of a message tag;
+// and throws Error(invalid_argument) naming the policy otherwise. Every rank must run the same
+// plan: buckets launch strictly in plan order and the ranks pair their messages by bucket, so
+// initial_plan must be a pure function of the layout and the policy's fields (every rank computes
+// its own), and later plans are agreed, never taken alone (agreement_due, end_iteration).
+//
 //   initial_plan(layout)      the plan for the first iteration, from the registered layout alone.
 //   agreement_due(iteration)  true when, after `iteration` (0-based) completes, the ranks should
 //                             agree on a new plan. Must give the same answer on every rank for the
@@ -57,7 +68,21 @@ concept BucketingPolicy = std::copyable<B> &&
 // How decode() combines decoded values with what the destination already holds.
 enum class DecodeMode : std::uint8_t { overwrite, add };
 
-// CompressionPolicy: a codec for contiguous runs of f32 or f64 values.
+// CodecFor<C, T>: C encodes and decodes contiguous runs of T values (float or double).
+//
+//   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
+//   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
+//                             out.size() values are an Error (protocol), never a crash. The same
+//                             bytes must decode to the same values on every rank: topologies send
+//                             one encoding to all, and that is what leaves them the same bits.
+template <class C, class T>
+concept CodecFor = requires(const C& c, typename C::State& state, std::span<const T> in, std::span<T> out,
+                            std::span<std::byte> encoded_out, std::span<const std::byte> encoded_in, DecodeMode mode) {
+  { c.encode(in, state, encoded_out) } -> std::same_as<std::size_t>;
+  c.decode(encoded_in, out, mode);
+};
+
+// CompressionPolicy: a codec for contiguous runs of f32 values, and optionally of f64 values.
 //
 //   State                     per-site state (an error-feedback residual, a random stream);
 //                             make_state(n, t) builds it for a site that encodes n values of
@@ -66,13 +91,16 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //                             site and never shares it between sites.
 //   identity                  encoded bytes are the values themselves (no work to encode/decode;
 //                             schedules send and receive in place).
-//   lossless                  decode(encode(x)) == x bit for bit.
-//   summable                  encoded data can be added without decoding first.
+//   lossless                  decode(encode(x)) == x bit for bit. The engine does not read it;
+//                             bench/replay checks exact averages when it is set, and
+//                             tests/test_compression.cpp that the 16-bit codecs do not claim it.
 //   max_encoded_bytes(n, t)   an upper bound for n values of accumulation dtype t; buffers are
 //                             sized with it once, when the plan is made.
-//   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
-//   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
-//                             out.size() values are an Error (protocol), never a crash.
+//   encode and decode for f32 (CodecFor<C, float>). Every gradient but an f64 one accumulates in
+//                             f32, so this is the path every codec needs.
+//   Optional: encode and decode for f64 (CodecFor<C, double>). Without them a Synchronizer
+//                             refuses f64 gradients in add() (ErrorKind::unsupported), and
+//                             ErrorFeedback<C> has no f64 path either.
 //   Optional: encode_keeping_error(values, residual, state, out)
 //                             encodes p = residual + values (of equal sizes) and leaves
 //                             -(-p + decode(encoding)) in residual, bit for bit what
@@ -80,26 +108,19 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //                             stays a NaN, but the compiler may flip its sign bit), in fewer
 //                             passes; ErrorFeedback<C> uses it when C has it.
 template <class C>
-concept CompressionPolicy = std::copyable<C> &&
-    requires(const C& c, typename C::State& state, std::size_t n, DType dtype, std::span<const float> f32_in,
-             std::span<const double> f64_in, std::span<float> f32_out, std::span<double> f64_out,
-             std::span<std::byte> encoded_out, std::span<const std::byte> encoded_in) {
+concept CompressionPolicy = std::copyable<C> && CodecFor<C, float> &&
+    requires(const C& c, std::size_t n, DType dtype) {
       typename C::State;
       { C::identity } -> std::convertible_to<bool>;
       { C::lossless } -> std::convertible_to<bool>;
-      { C::summable } -> std::convertible_to<bool>;
       { c.describe() } -> std::convertible_to<std::string>;
       { c.make_state(n, dtype) } -> std::same_as<typename C::State>;
       { c.max_encoded_bytes(n, dtype) } -> std::same_as<std::size_t>;
-      { c.encode(f32_in, state, encoded_out) } -> std::same_as<std::size_t>;
-      { c.encode(f64_in, state, encoded_out) } -> std::same_as<std::size_t>;
-      c.decode(encoded_in, f32_out, DecodeMode::add);
-      c.decode(encoded_in, f64_out, DecodeMode::overwrite);
     };
 
 template <CompressionPolicy C>
 constexpr CodecTraits codec_traits() noexcept {
-  return {.identity = C::identity, .summable = C::summable};
+  return {.identity = C::identity};
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ namespace gradsync {
 
 using Duration = std::chrono::nanoseconds;
 
-// Buckets in launch order; each lists its gradients in the order they are packed. Every registered
-// gradient appears in exactly one bucket, and a bucket's gradients share one accumulation dtype
-// (the Synchronizer checks both). Membership must be identical on every rank.
+// Buckets in launch order; each lists its gradients in the order they are packed. The rules a plan
+// must obey (every gradient in exactly one non-empty bucket, one accumulation dtype per bucket,
+// the same plan on every rank) are listed with the BucketingPolicy concept, concepts.hpp.
 struct BucketPlan {
   std::vector<std::vector<GradId>> buckets{};
   friend bool operator==(const BucketPlan&, const BucketPlan&) = default;

@@ -23,7 +23,6 @@ struct Group {
 // What a schedule needs to know about the codec it will run with.
 struct CodecTraits {
   bool identity = false;  // encoded bytes are the values themselves: send and receive in place
-  bool summable = false;  // encoded data may be added without decoding
 };
 
 inline constexpr std::uint32_t no_slot = std::numeric_limits<std::uint32_t>::max();

@@ -108,6 +108,11 @@ class Synchronizer {
                               to_string(gradient.device)));
     if (gradient.data == nullptr && gradient.count != 0)
       throw Error(ErrorKind::invalid_argument, here("add"), fmt::format("gradient {:?} has no memory", name));
+    if (accumulation_dtype(gradient.dtype) == DType::f64 && !CodecFor<C, double>)
+      throw Error(ErrorKind::unsupported, here("add"),
+                  fmt::format("gradient {:?} is f64, but codec {} encodes f32 values only (it has no f64 encode "
+                              "and decode); convert the gradient to f32 or choose a codec with an f64 path",
+                              name, codec_.describe()));
     layout_.push_back({std::move(name), gradient.count, gradient.dtype, gradient.device});
     views_.push_back(gradient);
     return static_cast<GradId>(layout_.size() - 1);

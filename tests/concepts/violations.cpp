@@ -8,7 +8,7 @@ namespace gs = gradsync;
 
 struct CodecWithoutDecode {  // has everything but decode()
   struct State {};
-  static constexpr bool identity = false, lossless = true, summable = false;
+  static constexpr bool identity = false, lossless = true;
   std::string describe() const { return "broken"; }
   State make_state(std::size_t, gs::DType) const { return {}; }
   std::size_t max_encoded_bytes(std::size_t n, gs::DType) const { return n; }

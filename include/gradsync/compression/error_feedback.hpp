@@ -32,7 +32,6 @@ struct ErrorFeedback {
   };
   static constexpr bool identity = false;
   static constexpr bool lossless = C::lossless;
-  static constexpr bool summable = C::summable;
 
   std::string describe() const { return fmt::format("error-feedback({})", codec.describe()); }
 
@@ -44,7 +43,9 @@ struct ErrorFeedback {
 
   std::size_t max_encoded_bytes(std::size_t n, DType dtype) const { return codec.max_encoded_bytes(n, dtype); }
 
+  // Only for the dtypes C codes: an f32-only C makes an f32-only ErrorFeedback<C>.
   template <class T>
+    requires CodecFor<C, T>
   std::size_t encode(std::span<const T> values, State& state, std::span<std::byte> out) const {
     auto& residual = [&]() -> std::vector<T>& {
       if constexpr (std::is_same_v<T, double>) return state.residual_f64;
@@ -65,6 +66,7 @@ struct ErrorFeedback {
   }
 
   template <class T>
+    requires CodecFor<C, T>
   void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
     codec.decode(in, out, mode);
   }

@@ -14,7 +14,6 @@ struct None {
   struct State {};
   static constexpr bool identity = true;
   static constexpr bool lossless = true;
-  static constexpr bool summable = true;
 
   std::string describe() const { return "none"; }
   State make_state(std::size_t, DType) const { return {}; }

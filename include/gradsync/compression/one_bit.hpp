@@ -20,7 +20,6 @@ struct OneBit {
   struct State {};
   static constexpr bool identity = false;
   static constexpr bool lossless = false;
-  static constexpr bool summable = false;
 
   std::string describe() const { return "one-bit"; }
   State make_state(std::size_t, DType) const { return {}; }

@@ -35,7 +35,6 @@ struct RandomK {
   };
   static constexpr bool identity = false;
   static constexpr bool lossless = false;
-  static constexpr bool summable = false;
 
   std::string describe() const { return fmt::format("random-k({}, seed={})", keep.describe(), seed); }
   State make_state(std::size_t, DType) const { return {}; }

@@ -21,7 +21,6 @@ struct ReducedFloat {
   struct State {};
   static constexpr bool identity = false;
   static constexpr bool lossless = false;
-  static constexpr bool summable = false;
 
   std::string describe() const { return Format::name; }
   State make_state(std::size_t, DType) const { return {}; }

@@ -51,7 +51,6 @@ struct TernGrad {
   };
   static constexpr bool identity = false;
   static constexpr bool lossless = false;
-  static constexpr bool summable = false;
 
   std::string describe() const { return fmt::format("terngrad(bits={})", Bits); }
   State make_state(std::size_t, DType) const { return {}; }

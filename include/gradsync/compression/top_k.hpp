@@ -33,7 +33,6 @@ struct TopK {
   struct State {};
   static constexpr bool identity = false;
   static constexpr bool lossless = false;
-  static constexpr bool summable = false;
 
   std::string describe() const { return fmt::format("top-k({})", keep.describe()); }
   State make_state(std::size_t, DType) const { return {}; }

@@ -24,7 +24,6 @@ struct TwoBit {
   struct State {};
   static constexpr bool identity = false;
   static constexpr bool lossless = false;
-  static constexpr bool summable = false;
 
   std::string describe() const { return fmt::format("two-bit(threshold={})", threshold); }
   State make_state(std::size_t, DType) const { return {}; }

@@ -151,22 +151,29 @@ class BucketExchange {
   template <class T>
   void compute(std::size_t index, std::span<T> values, const C& codec) {
     const Step& step = schedule_.steps[index];
-    const auto range = values.subspan(step.range.begin, step.range.size());
-    if (raw_ && (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy))
-      return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
-    switch (step.op) {
-      case Step::Op::encode:
-        slot_bytes_[step.slot] = codec.encode(std::span<const T>(range), states_[index], capacity(step.slot));
-        break;
-      case Step::Op::decode_add: codec.decode(encoded(step.slot), range, DecodeMode::add); break;
-      case Step::Op::decode_copy: codec.decode(encoded(step.slot), range, DecodeMode::overwrite); break;
-      case Step::Op::average: {
-        const T n = static_cast<T>(schedule_.contributors);
-        for (T& v : range) v /= n;
-        break;
+    if constexpr (!CodecFor<C, T>) {
+      // Executors visit both dtypes of BucketValues, so this is compiled for f64 even when C has
+      // only the f32 path; the Synchronizer's add() keeps f64 buckets away from such a codec.
+      throw Error(ErrorKind::unsupported, {.operation = std::string(name(step.op))},
+                  fmt::format("codec {} has no {} path", codec.describe(), to_string(dtype_of<T>())));
+    } else {
+      const auto range = values.subspan(step.range.begin, step.range.size());
+      if (raw_ && (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy))
+        return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
+      switch (step.op) {
+        case Step::Op::encode:
+          slot_bytes_[step.slot] = codec.encode(std::span<const T>(range), states_[index], capacity(step.slot));
+          break;
+        case Step::Op::decode_add: codec.decode(encoded(step.slot), range, DecodeMode::add); break;
+        case Step::Op::decode_copy: codec.decode(encoded(step.slot), range, DecodeMode::overwrite); break;
+        case Step::Op::average: {
+          const T n = static_cast<T>(schedule_.contributors);
+          for (T& v : range) v /= n;
+          break;
+        }
+        case Step::Op::send:
+        case Step::Op::recv: break;
       }
-      case Step::Op::send:
-      case Step::Op::recv: break;
     }
   }
 

@@ -13,8 +13,7 @@
 // With a codec that is not the identity, each reduce-scatter hop decodes, adds and re-encodes the
 // partial sum; the finished segment is encoded once by its owner, which also decodes its own
 // encoding so that every rank, owner included, ends with the same bits; allgather forwards the
-// encoded bytes unchanged. Summing encoded data directly (CodecTraits::summable) is not used by
-// this schedule: every codec shipped so far sums in the accumulation dtype.
+// encoded bytes unchanged. Sums are always taken in the accumulation dtype, after decoding.
 //
 // Every element of a segment is summed in the same order on every rank (starting at the
 // segment's index and going round), and only the owner sums it, so the average is bit-identical
