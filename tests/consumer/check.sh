@@ -23,8 +23,12 @@ export PKG_CONFIG_PATH=$work/build/meson-uninstalled${PKG_CONFIG_PATH:+:$PKG_CON
 flags=$(pkg-config --cflags --libs gradsync)
 echo "pkg-config: $flags"
 # The library's directory: the uninstalled .pc names it for the linker only.
-libdir=$(pkg-config --variable=libdir gradsync 2>/dev/null || true)
-c++ -Wall -Wextra -Wpedantic -Werror src/main.cpp $flags -pthread -o consumer-pkgconfig
-output=$(LD_LIBRARY_PATH=$(dirname "$(find build -name 'libgradsync.so' | head -1)") ./consumer-pkgconfig)
-echo "$output"
-[[ $output == gradsync\ $expected ]]
+libdir=$(dirname "$(find build -name 'libgradsync.so' | head -1)")
+compilers=(c++)
+command -v clang++ >/dev/null && compilers+=(clang++)  # where present: clang holds headers to other rules
+for compiler in "${compilers[@]}"; do
+  "$compiler" -Wall -Wextra -Wpedantic -Werror src/main.cpp $flags -pthread -o consumer-pkgconfig
+  output=$(LD_LIBRARY_PATH=$libdir ./consumer-pkgconfig)
+  echo "$compiler: $output"
+  [[ $output == gradsync\ $expected ]]
+done

@@ -21,6 +21,17 @@ namespace gradsync::compression {
 struct TwoBit {
   float threshold = 0.5f;
 
+ private:
+  // Defined before the members that call it: a function with a deduced return type cannot be
+  // used before its definition (clang holds to that even inside the class).
+  auto code() const {
+    return [t = threshold](float v, std::size_t) { return quantize::two_bit_code(v, t); };
+  }
+  static constexpr auto decoder = [](const Packed<2>::Parameters& p) {
+    return [t = p[0]](std::uint32_t code) { return quantize::two_bit_value(code, t); };
+  };
+
+ public:
   struct State {};
   static constexpr bool identity = false;
   static constexpr bool lossless = false;
@@ -47,14 +58,6 @@ struct TwoBit {
   void decode(std::span<const std::byte> in, std::span<T> out, DecodeMode mode) const {
     Packed<2>::decode(CodecId::two_bit, "two-bit", in, out, mode, decoder);
   }
-
- private:
-  auto code() const {
-    return [t = threshold](float v, std::size_t) { return quantize::two_bit_code(v, t); };
-  }
-  static constexpr auto decoder = [](const Packed<2>::Parameters& p) {
-    return [t = p[0]](std::uint32_t code) { return quantize::two_bit_value(code, t); };
-  };
 };
 
 static_assert(CompressionPolicy<TwoBit>);
