@@ -30,9 +30,11 @@ struct Coordination {
 
 // Settings of a Synchronizer that are not part of any policy.
 struct Options {
-  // How long any single wait may last: a transport operation, the layout exchange, or wait()
-  // for an iteration whose gradients were not all marked ready. Training steps that take longer
-  // than this between ready() calls need a larger value.
+  // How long any single wait may last: a transport operation, a control message (the layout
+  // check, plan agreement), a coordinator's grant. A receive waits for its sender's backward pass,
+  // so training steps that take longer than this between ready() calls need a larger value.
+  // (wait() itself does not time out: with every gradient marked, the exchange's waits bound it;
+  // with one missing, it fails at once.)
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   Executor executor = Executor::task_graph;
   // Threads serving the task graph's compute queue. Results do not depend on it.
