@@ -19,5 +19,7 @@
 #include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/ring.hpp"
 #include "gradsync/transport/in_process.hpp"
+#include "gradsync/transport/routed.hpp"
+#include "gradsync/transport/shared_memory.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "gradsync/version.hpp"

@@ -1,0 +1,94 @@
+#pragma once
+// transport::Routed<Local, Remote> — one world over two transports: a message to a rank on this
+// machine travels over `Local` (SharedMemory), one to a rank elsewhere over `Remote` (Tcp).
+//
+// Ranks are the remote transport's (the launch's): `remote` spans the whole job, `local` this
+// machine's ranks, which the launchers number consecutively (machine m holds ranks m*L..m*L+L-1),
+// so world rank p is local rank p - first_rank when it falls on this machine. A topology sees one
+// flat world and never needs to know which way a message goes; topology::Hierarchical's schedule
+// is what keeps most of its bytes on the local side.
+//
+//   auto world = transport::Routed(transport::SharedMemory::from_env(), transport::Tcp::from_env());
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/error.hpp"
+
+namespace gradsync::transport {
+
+template <TransportPolicy Local, TransportPolicy Remote>
+class Routed {
+ public:
+  // Holds one request of each kind; a posting uses the one its peer's route needs.
+  class Request {
+   public:
+    Request() = default;
+    Request(const Request&) = delete;
+    Request& operator=(const Request&) = delete;
+    void report_to(CompletionSink* sink, std::uint64_t id) {
+      local_.report_to(sink, id);
+      remote_.report_to(sink, id);
+    }
+
+   private:
+    friend class Routed;
+    typename Local::Request local_;
+    typename Remote::Request remote_;
+    bool is_local_ = false;
+  };
+
+  Routed(Local local, Remote remote)
+      : local_(std::move(local)), remote_(std::move(remote)), first_rank_(remote_.rank() - local_.rank()) {
+    if (first_rank_ < 0 || first_rank_ + local_.size() > remote_.size())
+      throw Error(ErrorKind::invalid_argument, {.rank = remote_.rank(), .operation = "routed transport"},
+                  fmt::format("local rank {} of {} does not fit rank {} of {}: launchers must number a machine's "
+                              "ranks consecutively",
+                              local_.rank(), local_.size(), remote_.rank(), remote_.size()));
+  }
+
+  int rank() const noexcept { return remote_.rank(); }
+  int size() const noexcept { return remote_.size(); }
+  std::string describe() const {
+    return fmt::format("routed({} within the machine, {} across)", local_.describe(), remote_.describe());
+  }
+  // This machine's ranks: [first_rank, first_rank + local_size).
+  int first_rank() const noexcept { return first_rank_; }
+  int local_size() const noexcept { return local_.size(); }
+
+  void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
+    if ((r.is_local_ = on_this_machine(peer)))
+      local_.send(r.local_, peer - first_rank_, tag, bytes);
+    else
+      remote_.send(r.remote_, peer, tag, bytes);
+  }
+  void recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
+    if ((r.is_local_ = on_this_machine(peer)))
+      local_.recv(r.local_, peer - first_rank_, tag, bytes);
+    else
+      remote_.recv(r.remote_, peer, tag, bytes);
+  }
+  bool test(Request& r) { return r.is_local_ ? local_.test(r.local_) : remote_.test(r.remote_); }
+  std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
+    return r.is_local_ ? local_.wait(r.local_, deadline) : remote_.wait(r.remote_, deadline);
+  }
+  // Both sides: the machine's ranks hear it through shared memory, the others through their sockets.
+  void abort(const Error& cause) {
+    local_.abort(cause);
+    remote_.abort(cause);
+  }
+
+ private:
+  bool on_this_machine(int peer) const noexcept { return peer >= first_rank_ && peer < first_rank_ + local_.size(); }
+
+  Local local_;
+  Remote remote_;
+  int first_rank_;
+};
+
+}  // namespace gradsync::transport

@@ -1,0 +1,100 @@
+#pragma once
+// transport::SharedMemory — the ranks of one machine, as processes, exchanging through a shared
+// memory segment (Boost.Interprocess, in the compiled library).
+//
+// The segment holds what the ranks must agree on: one mailbox per rank, where posted sends and
+// receives wait for their other half, and one completion list per rank, each behind a process-
+// shared mutex and condition. The payload does not pass through it: whoever posts the second half
+// of a message copies it once, straight from the sender's buffer into the receiver's, with Linux's
+// cross-memory attach (process_vm_readv/writev), as Open MPI's shared-memory transport does for
+// large messages. One copy, like InProcess; nothing buffered, nothing allocated per message. Each
+// rank runs one thread that sleeps on its completion list (no spinning) and reports completions.
+//
+// The segment is named after the job (a digest of GRADSYNC_TOKEN, MASTER_ADDR and MASTER_PORT)
+// and the machine, created by local rank 0 and unlinked as soon as every local rank has mapped it,
+// so a job that ends or is killed leaves nothing behind. A segment found under the name whose
+// creator is no longer running (a job killed during setup) is replaced, never joined; one whose
+// creator runs belongs to another job and is refused. The creator proves it holds the job token
+// (HMAC-SHA-256, the token never stored) and the others check the proof before attaching.
+//
+// A rank that exits or aborts makes every other rank's pending and later operations fail at once
+// with Error(peer_failed) naming it. Ranks and peers are numbered 0..local_size-1; errors name
+// the launch's ranks (first_rank + local rank), which is what the job's logs say.
+//
+//   auto shm = gradsync::transport::SharedMemory::from_env();   // under gradsync-run -n 4
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/transport/operation.hpp"
+
+namespace gradsync::transport {
+
+namespace detail {
+class SharedMemoryEngine;
+}
+
+struct SharedMemoryOptions {
+  int local_rank = 0;
+  int local_size = 1;
+  int first_rank = 0;  // the launch rank of local rank 0, for messages and the segment's name
+  std::string job{};   // what tells jobs apart: the token, rank 0's address and port
+  std::string token{};  // the job's shared secret
+  std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);
+  std::size_t max_pending = 16384;  // operations one rank may have posted and not yet completed
+};
+
+class SharedMemory {
+ public:
+  class Request : private detail::Operation<Request> {
+   public:
+    Request() = default;
+    Request(const Request&) = delete;
+    Request& operator=(const Request&) = delete;
+    using detail::Operation<Request>::report_to;
+
+   private:
+    friend class detail::SharedMemoryEngine;
+    std::atomic<State> state_{State::idle};  // completed by this rank's completion thread
+    std::uint32_t record_ = 0;               // its record in the segment while pending
+  };
+
+  // Creates (local rank 0) or attaches to the machine's segment; returns once every local rank
+  // has attached. Throws Error(timeout) naming the local ranks still missing after setup_timeout.
+  explicit SharedMemory(const SharedMemoryOptions& options);
+
+  // Options from the launcher's environment (launch/environment.hpp): LOCAL_RANK and
+  // LOCAL_WORLD_SIZE give the machine's ranks, RANK - LOCAL_RANK its first launch rank (launchers
+  // number ranks machine by machine), plus GRADSYNC_SETUP_TIMEOUT_S where set.
+  static SharedMemoryOptions options_from_env();
+  static SharedMemory from_env() { return SharedMemory(options_from_env()); }
+
+  // The segment's name for a job and machine (what /dev/shm shows while it is being set up).
+  static std::string segment_name(const SharedMemoryOptions& options);
+
+  SharedMemory(SharedMemory&&) noexcept;
+  SharedMemory& operator=(SharedMemory&&) noexcept;
+  ~SharedMemory();
+
+  int rank() const noexcept;
+  int size() const noexcept;
+  std::string describe() const;
+
+  void send(Request& request, int peer, std::uint64_t tag, std::span<const std::byte> bytes);
+  void recv(Request& request, int peer, std::uint64_t tag, std::span<std::byte> bytes);
+  bool test(Request& request);
+  std::size_t wait(Request& request, std::chrono::steady_clock::time_point deadline);
+  void abort(const Error& cause);
+
+ private:
+  std::unique_ptr<detail::SharedMemoryEngine> engine_;
+};
+
+static_assert(TransportPolicy<SharedMemory>);
+
+}  // namespace gradsync::transport

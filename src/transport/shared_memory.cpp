@@ -1,0 +1,544 @@
+// transport::SharedMemory's data path: matching in the segment's mailboxes (shm/segment.hpp), one
+// cross-memory copy per message by whichever side posts second, completions reported by each
+// rank's own completion thread.
+//
+// Locks: a rank's mailbox mutex guards the queues of messages addressed to it and every copy into
+// it, so a request found queued there under that lock has not been copied yet and can be taken
+// back safely; a rank's done mutex guards its completion list and is only ever taken after a
+// mailbox mutex, never before. Within this process, pool_mutex_ guards the record pool.
+
+#include "gradsync/transport/shared_memory.hpp"
+
+#include <sys/prctl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <boost/interprocess/sync/scoped_lock.hpp>
+#include <fmt/format.h>
+
+#include "gradsync/launch/environment.hpp"
+#include "transport/shm/segment.hpp"
+
+namespace gradsync::transport {
+
+namespace detail {
+
+namespace ipc = boost::interprocess;
+using shm::no_record;
+using shm::Record;
+using Clock = std::chrono::steady_clock;
+using Request = SharedMemory::Request;
+
+// How long a rank waits for another's lock: long enough for any copy, short enough that a rank
+// that died holding one (killed mid-copy) turns into an Error rather than a hang.
+constexpr auto lock_patience = std::chrono::seconds(10);
+// How often an idle completion thread looks whether its peers are still running.
+constexpr auto liveness_period = std::chrono::milliseconds(50);
+
+class SharedMemoryEngine {
+ public:
+  explicit SharedMemoryEngine(const SharedMemoryOptions& o)
+      : options_(o), segment_(o), rank_(o.local_rank), size_(o.local_size) {
+    free_.reserve(segment_.capacity());
+    for (std::uint32_t i = segment_.capacity(); i-- > 0;) free_.push_back(i);
+    owners_.assign(segment_.capacity(), nullptr);
+    peer_gone_.assign(static_cast<std::size_t>(size_), false);
+    check_cross_memory_attach();
+    thread_ = std::thread([this] { complete_loop(); });
+  }
+
+  ~SharedMemoryEngine() {
+    segment_.rank(rank_).closed.store(1, std::memory_order_release);
+    wake_everyone();
+    {
+      std::lock_guard lock(local_mutex_);
+      stopping_ = true;
+    }
+    wake(rank_);
+    thread_.join();
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  std::string describe() const { return fmt::format("shared-memory({} local ranks)", size_); }
+
+  void post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
+            std::size_t bytes) {
+    const char* operation = is_send ? "send" : "recv";
+    if (peer < 0 || peer >= size_)
+      throw Error(ErrorKind::invalid_argument, context(peer, operation),
+                  fmt::format("no local rank {} among {}", peer, size_));
+    if (r.state_.load(std::memory_order_acquire) == Request::State::pending)
+      throw Error(ErrorKind::invalid_argument, context(peer, operation), "request reused while still pending");
+    if (auto failure = failure_for(peer, operation)) throw *failure;
+
+    const std::uint32_t index = take_record(r, peer, operation);
+    const std::uint32_t handle = segment_.handle(rank_, index);
+    Record& mine = segment_.record(handle);
+    mine.next = mine.done_next = no_record;
+    mine.owner = rank_;
+    mine.peer = peer;
+    mine.is_send = is_send;
+    mine.outcome = Record::Outcome::pending;
+    mine.tag = tag;
+    mine.address = reinterpret_cast<std::uint64_t>(is_send ? source : destination);
+    mine.size = bytes;
+    mine.transferred = mine.other_size = 0;
+    mine.copy_errno = 0;
+    r.start(is_send, peer, tag, source, destination, bytes);
+    r.record_ = index;
+    r.state_.store(Request::State::pending, std::memory_order_relaxed);
+
+    // A send waits in the receiver's mailbox, a receive in our own.
+    const int box_rank = is_send ? peer : rank_;
+    shm::RankArea& box = segment_.rank(box_rank);
+    std::optional<std::uint32_t> other;
+    {
+      auto lock = lock_mailbox(box_rank, peer, operation);
+      // Checked under the mailbox lock: a failure scan that ran before we took it sees our record
+      // queued; one that runs after finds this flag set.
+      if (auto failure = failure_for(peer, operation)) {
+        lock.unlock();
+        give_back(index);
+        r.state_.store(Request::State::idle, std::memory_order_relaxed);
+        throw *failure;
+      }
+      const int sender = is_send ? rank_ : peer;
+      shm::FifoQueue& others = is_send ? box.receives : box.sends;
+      other = take_if(others, [&](const Record& o) {
+        return o.tag == tag && (is_send ? o.peer : o.owner) == sender;
+      });
+      if (!other)
+        append(is_send ? box.sends : box.receives, handle);
+      else
+        transfer(is_send ? handle : *other, is_send ? *other : handle);
+    }
+    if (other) {
+      post_done(rank_, handle);
+      post_done(peer, *other);
+    }
+  }
+
+  bool test(Request& r) {
+    switch (r.state_.load(std::memory_order_acquire)) {
+      case Request::State::done: return true;
+      case Request::State::failed: throw *r.error_;
+      case Request::State::pending: return false;
+      case Request::State::idle: break;
+    }
+    throw Error(ErrorKind::invalid_argument, context(-1, "test"), "request was never posted");
+  }
+
+  std::size_t wait(Request& r, Clock::time_point deadline) {
+    const auto settled = [&] { return r.state_.load(std::memory_order_acquire) != Request::State::pending; };
+    if (r.state_.load(std::memory_order_acquire) == Request::State::idle)
+      throw Error(ErrorKind::invalid_argument, context(-1, "wait"), "request was never posted");
+    bool in_time;
+    {
+      std::unique_lock lock(local_mutex_);
+      in_time = waiters_.wait_until(lock, deadline, settled);
+    }
+    if (!in_time && withdraw(r)) {
+      r.state_.store(Request::State::idle, std::memory_order_relaxed);
+      throw Error(ErrorKind::timeout, context(r.peer_, r.is_send_ ? "send" : "recv"),
+                  fmt::format("rank {} posted no matching {} (tag {:#x}) before the deadline", launch_rank(r.peer_),
+                              r.is_send_ ? "receive" : "send", r.tag_));
+    }
+    if (!in_time) {
+      // Matched while we gave up: its completion is on its way to our thread.
+      std::unique_lock lock(local_mutex_);
+      waiters_.wait(lock, settled);
+    }
+    if (r.state_.load(std::memory_order_acquire) == Request::State::failed) throw *r.error_;
+    return r.transferred_;
+  }
+
+  void abort(const Error& cause) {
+    shm::Header& h = segment_.header();
+    int expected = -1;
+    if (h.failed_rank.compare_exchange_strong(expected, rank_)) {
+      const std::string text(cause.what());
+      const std::size_t n = std::min(text.size(), h.failure.size() - 1);
+      std::memcpy(h.failure.data(), text.data(), n);
+      h.failure[n] = '\0';
+      h.failure_written.store(1, std::memory_order_release);
+    }
+    wake_everyone();
+  }
+
+ private:
+  ErrorContext context(int peer, const char* operation) const {
+    ErrorContext c{.rank = launch_rank(rank_), .operation = operation};
+    if (peer >= 0) c.peer = launch_rank(peer);
+    return c;
+  }
+  int launch_rank(int local) const { return options_.first_rank + local; }
+
+  // ---- the record pool (this process only) ----
+
+  std::uint32_t take_record(Request& r, int peer, const char* operation) {
+    std::lock_guard lock(pool_mutex_);
+    if (free_.empty())
+      throw Error(ErrorKind::unsupported, context(peer, operation),
+                  fmt::format("more than {} operations pending on this rank (SharedMemoryOptions::max_pending)",
+                              segment_.capacity()));
+    const std::uint32_t index = free_.back();
+    free_.pop_back();
+    owners_[index] = &r;
+    return index;
+  }
+
+  void give_back(std::uint32_t index) {
+    std::lock_guard lock(pool_mutex_);
+    owners_[index] = nullptr;
+    free_.push_back(index);
+  }
+
+  // ---- queues in the segment (callers hold the queue's lock) ----
+
+  void append(shm::FifoQueue& q, std::uint32_t handle) {
+    segment_.record(handle).next = no_record;
+    if (q.tail == no_record)
+      q.head = handle;
+    else
+      segment_.record(q.tail).next = handle;
+    q.tail = handle;
+  }
+
+  template <class Pred>
+  std::optional<std::uint32_t> take_if(shm::FifoQueue& q, Pred pred) {
+    std::uint32_t previous = no_record;
+    for (std::uint32_t h = q.head; h != no_record; previous = h, h = segment_.record(h).next) {
+      if (!pred(segment_.record(h))) continue;
+      const std::uint32_t next = segment_.record(h).next;
+      (previous == no_record ? q.head : segment_.record(previous).next) = next;
+      if (q.tail == h) q.tail = previous;
+      return h;
+    }
+    return std::nullopt;
+  }
+
+  ipc::scoped_lock<ipc::interprocess_mutex> lock_mailbox(int box_rank, int peer, const char* operation) {
+    ipc::scoped_lock lock(segment_.rank(box_rank).mailbox_mutex, ipc::defer_lock);
+    if (!lock.timed_lock(shm::utc_deadline(lock_patience)))
+      throw Error(ErrorKind::peer_failed, context(peer, operation),
+                  fmt::format("local rank {}'s mailbox stayed locked for {} s: a rank died holding it", box_rank,
+                              lock_patience.count()));
+    return lock;
+  }
+
+  // ---- matching and copying (caller holds the receiver's mailbox lock) ----
+
+  // Copies the send's bytes into the receive, from whichever process we are: the sender writes
+  // into the receiver, the receiver reads from the sender, a rank talking to itself copies.
+  void transfer(std::uint32_t send_handle, std::uint32_t receive_handle) {
+    Record& send = segment_.record(send_handle);
+    Record& receive = segment_.record(receive_handle);
+    if (send.size > receive.size) {
+      send.other_size = receive.size;
+      receive.other_size = send.size;
+      send.outcome = receive.outcome = Record::Outcome::too_long;
+      return;
+    }
+    int error = 0;
+    if (send.size != 0) {
+      const bool we_send = send.owner == rank_;
+      const bool we_receive = receive.owner == rank_;
+      if (we_send && we_receive) {
+        std::memcpy(reinterpret_cast<void*>(receive.address), reinterpret_cast<const void*>(send.address), send.size);
+      } else {
+        const pid_t other = segment_.rank(we_send ? receive.owner : send.owner).process.pid;
+        std::size_t moved = 0;
+        while (moved < send.size) {
+          iovec local{.iov_base = reinterpret_cast<void*>((we_send ? send.address : receive.address) + moved),
+                      .iov_len = send.size - moved};
+          iovec remote{.iov_base = reinterpret_cast<void*>((we_send ? receive.address : send.address) + moved),
+                       .iov_len = send.size - moved};
+          const ssize_t n = we_send ? ::process_vm_writev(other, &local, 1, &remote, 1, 0)
+                                    : ::process_vm_readv(other, &local, 1, &remote, 1, 0);
+          if (n <= 0) {
+            error = n < 0 ? errno : EIO;
+            break;
+          }
+          moved += static_cast<std::size_t>(n);
+        }
+      }
+    }
+    send.copy_errno = receive.copy_errno = error;
+    send.outcome = receive.outcome = error ? Record::Outcome::copy_failed : Record::Outcome::done;
+    send.transferred = receive.transferred = error ? 0 : send.size;
+  }
+
+  void post_done(int owner, std::uint32_t handle) {
+    shm::RankArea& area = segment_.rank(owner);
+    ipc::scoped_lock lock(area.done_mutex, ipc::defer_lock);
+    if (!lock.timed_lock(shm::utc_deadline(lock_patience))) return;  // its owner died holding it
+    shm::FifoQueue& q = area.done;
+    segment_.record(handle).done_next = no_record;
+    if (q.tail == no_record)
+      q.head = handle;
+    else
+      segment_.record(q.tail).done_next = handle;
+    q.tail = handle;
+    area.done_changed.notify_one();
+  }
+
+  void wake(int local) {
+    shm::RankArea& area = segment_.rank(local);
+    ipc::scoped_lock lock(area.done_mutex, ipc::defer_lock);
+    if (!lock.timed_lock(shm::utc_deadline(std::chrono::milliseconds(100)))) return;
+    area.wake = 1;
+    area.done_changed.notify_one();
+  }
+
+  void wake_everyone() {
+    for (int r = 0; r < size_; ++r) wake(r);
+  }
+
+  // Takes back a request still waiting for its other half; false if it has been matched.
+  bool withdraw(Request& r) {
+    const std::uint32_t handle = segment_.handle(rank_, r.record_);
+    const int box_rank = r.is_send_ ? r.peer_ : rank_;
+    shm::RankArea& box = segment_.rank(box_rank);
+    ipc::scoped_lock lock(box.mailbox_mutex, ipc::defer_lock);
+    // A mailbox whose owner died holding its lock cannot be searched; nobody can copy into or out
+    // of the request any more either, so it is ours again.
+    const bool locked = lock.timed_lock(shm::utc_deadline(lock_patience));
+    if (locked && !take_if(r.is_send_ ? box.sends : box.receives, [&](const Record& o) { return &o == &segment_.record(handle); }))
+      return false;
+    if (locked) lock.unlock();
+    give_back(r.record_);
+    return true;
+  }
+
+  // ---- failures ----
+
+  // What a new operation with `peer` meets: the job's first failure, or the peer having left.
+  std::optional<Error> failure_for(int peer, const char* operation) {
+    shm::Header& h = segment_.header();
+    const int failed = h.failed_rank.load(std::memory_order_acquire);
+    if (failed >= 0) {
+      while (h.failure_written.load(std::memory_order_acquire) == 0) std::this_thread::yield();
+      if (failed == rank_)
+        return Error(ErrorKind::peer_failed, context(peer, operation),
+                     fmt::format("this rank aborted: {}", h.failure.data()));
+      return Error(ErrorKind::peer_failed, {.rank = launch_rank(rank_), .peer = launch_rank(failed), .operation = operation},
+                   fmt::format("rank {} failed: {}", launch_rank(failed), h.failure.data()));
+    }
+    if (peer >= 0 && peer_gone(peer))
+      return Error(ErrorKind::peer_failed, context(peer, operation), departure(peer));
+    return std::nullopt;
+  }
+
+  bool peer_gone(int peer) {
+    std::lock_guard lock(pool_mutex_);
+    return peer_gone_[static_cast<std::size_t>(peer)];
+  }
+
+  std::string departure(int peer) const {
+    const shm::RankArea& area = segment_.rank(peer);
+    return area.closed.load(std::memory_order_acquire)
+               ? fmt::format("rank {} closed its transport", launch_rank(peer))
+               : fmt::format("rank {} (pid {}) exited without closing its transport (killed?)", launch_rank(peer),
+                             area.process.pid);
+  }
+
+  // Looks for peers that left; true if one left since the last look.
+  bool notice_departures() {
+    bool any = false;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_ || peer_gone(p)) continue;
+      const shm::RankArea& area = segment_.rank(p);
+      if (area.closed.load(std::memory_order_acquire) || !area.process.running()) {
+        std::lock_guard lock(pool_mutex_);
+        peer_gone_[static_cast<std::size_t>(p)] = true;
+        any = true;
+      }
+    }
+    return any;
+  }
+
+  // Fails every pending request that the job's failure or a departed peer leaves unanswerable.
+  void fail_orphans() {
+    std::vector<std::pair<std::uint32_t, Request*>> pending;
+    {
+      std::lock_guard lock(pool_mutex_);
+      for (std::uint32_t i = 0; i < owners_.size(); ++i)
+        if (owners_[i]) pending.emplace_back(i, owners_[i]);
+    }
+    for (auto [index, r] : pending) {
+      auto failure = failure_for(r->peer_, r->is_send_ ? "send" : "recv");
+      if (!failure || r->record_ != index || r->state_.load(std::memory_order_acquire) != Request::State::pending)
+        continue;
+      if (!withdraw(*r)) continue;  // matched: its completion is already on its way
+      r->error_ = std::move(*failure);
+      finish(*r, Request::State::failed);
+    }
+  }
+
+  // ---- completions (this rank's thread) ----
+
+  void finish(Request& r, Request::State state) {
+    r.report();
+    r.state_.store(state, std::memory_order_release);
+    { std::lock_guard lock(local_mutex_); }
+    waiters_.notify_all();
+  }
+
+  void complete(std::uint32_t handle) {
+    const std::uint32_t index = handle - segment_.handle(rank_, 0);
+    Request* r;
+    {
+      std::lock_guard lock(pool_mutex_);
+      r = owners_[index];
+    }
+    const Record& rec = segment_.record(handle);
+    r->transferred_ = rec.transferred;
+    const char* operation = rec.is_send ? "send" : "recv";
+    switch (rec.outcome) {
+      case Record::Outcome::done: break;
+      case Record::Outcome::too_long: {
+        const auto send_size = rec.is_send ? rec.size : rec.other_size;
+        const auto receive_size = rec.is_send ? rec.other_size : rec.size;
+        r->error_ = Error(ErrorKind::protocol, context(rec.peer, operation),
+                          fmt::format("message of {} bytes (tag {:#x}) does not fit the {}-byte receive", send_size,
+                                      rec.tag, receive_size));
+        break;
+      }
+      case Record::Outcome::copy_failed:
+      case Record::Outcome::pending:
+        r->error_ = Error(ErrorKind::internal, context(rec.peer, operation),
+                          fmt::format("cross-memory copy of {} bytes (tag {:#x}) failed: {}", rec.size, rec.tag,
+                                      std::strerror(rec.copy_errno)));
+        break;
+    }
+    const bool failed = r->error_.has_value();
+    give_back(index);
+    finish(*r, failed ? Request::State::failed : Request::State::done);
+  }
+
+  void complete_loop() {
+    shm::RankArea& area = segment_.rank(rank_);
+    for (;;) {
+      std::uint32_t head = no_record;
+      bool look_around = false;
+      {
+        ipc::scoped_lock lock(area.done_mutex);
+        area.done_changed.timed_wait(lock, shm::utc_deadline(liveness_period),
+                                     [&] { return area.done.head != no_record || area.wake != 0; });
+        head = std::exchange(area.done.head, no_record);
+        area.done.tail = no_record;
+        look_around = std::exchange(area.wake, 0u) != 0 || head == no_record;
+      }
+      while (head != no_record) {
+        const std::uint32_t next = segment_.record(head).done_next;
+        complete(head);
+        head = next;
+      }
+      {
+        std::lock_guard lock(local_mutex_);
+        if (stopping_) return;
+      }
+      if (look_around) {
+        const bool departed = notice_departures();
+        if (departed || segment_.header().failed_rank.load(std::memory_order_acquire) >= 0) fail_orphans();
+      }
+    }
+  }
+
+  // Cross-memory attach needs ptrace permission over the peer. Checked once, at setup, by reading
+  // the segment's magic through the next rank's address space, so that a system that forbids it
+  // says so here (and fails the job's setup everywhere) rather than at the first message.
+  void check_cross_memory_attach() {
+#ifdef PR_SET_PTRACER
+    ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // Yama's ptrace_scope 1 wants the target's consent
+#endif
+    if (size_ == 1) return;
+    const int peer = (rank_ + 1) % size_;
+    const shm::RankArea& area = segment_.rank(peer);
+    std::uint32_t magic = 0;
+    iovec local{.iov_base = &magic, .iov_len = sizeof magic};
+    iovec remote{.iov_base = reinterpret_cast<void*>(area.mapped_at), .iov_len = sizeof magic};
+    const ssize_t n = ::process_vm_readv(area.process.pid, &local, 1, &remote, 1, 0);
+    if (n == sizeof magic && magic == shm::segment_magic) return;
+    const Error refused(ErrorKind::unsupported, context(peer, "shared-memory setup"),
+                        fmt::format("cross-memory attach to rank {} (pid {}) {}: SharedMemory copies with "
+                                    "process_vm_readv/writev, which needs ptrace permission between the job's "
+                                    "processes (same user; not forbidden by Yama's ptrace_scope 2-3, seccomp or a "
+                                    "container's policy)",
+                                    launch_rank(peer), area.process.pid,
+                                    n < 0 ? fmt::format("refused ({})", std::strerror(errno)) : "read wrong bytes"));
+    abort(refused);
+    throw refused;
+  }
+
+  SharedMemoryOptions options_;
+  shm::Segment segment_;
+  const int rank_;
+  const int size_;
+
+  std::mutex pool_mutex_;
+  std::vector<std::uint32_t> free_;
+  std::vector<Request*> owners_;  // by record index: the request a pending record belongs to
+  std::vector<bool> peer_gone_;
+
+  std::mutex local_mutex_;
+  std::condition_variable waiters_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace detail
+
+SharedMemory::SharedMemory(const SharedMemoryOptions& options)
+    : engine_(std::make_unique<detail::SharedMemoryEngine>(options)) {}
+SharedMemory::SharedMemory(SharedMemory&&) noexcept = default;
+SharedMemory& SharedMemory::operator=(SharedMemory&&) noexcept = default;
+SharedMemory::~SharedMemory() = default;
+
+int SharedMemory::rank() const noexcept { return engine_->rank(); }
+int SharedMemory::size() const noexcept { return engine_->size(); }
+std::string SharedMemory::describe() const { return engine_->describe(); }
+
+void SharedMemory::send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
+  engine_->post(r, true, peer, tag, bytes.data(), nullptr, bytes.size());
+}
+void SharedMemory::recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
+  engine_->post(r, false, peer, tag, nullptr, bytes.data(), bytes.size());
+}
+bool SharedMemory::test(Request& r) { return engine_->test(r); }
+std::size_t SharedMemory::wait(Request& r, std::chrono::steady_clock::time_point deadline) {
+  return engine_->wait(r, deadline);
+}
+void SharedMemory::abort(const Error& cause) { engine_->abort(cause); }
+
+std::string SharedMemory::segment_name(const SharedMemoryOptions& options) { return shm::Segment::name(options); }
+
+SharedMemoryOptions SharedMemory::options_from_env() {
+  const launch::Launch launch = launch::from_environment();
+  SharedMemoryOptions o;
+  o.local_rank = launch.local_rank;
+  o.local_size = launch.local_world_size;
+  o.first_rank = launch.rank - launch.local_rank;
+  o.token = launch.token;
+  o.job = fmt::format("{}\n{}:{}", launch.token, launch.master_addr, launch.master_port);
+  if (const auto t = launch::process_environment("GRADSYNC_SETUP_TIMEOUT_S")) {
+    char* end = nullptr;
+    const long seconds = std::strtol(t->c_str(), &end, 10);
+    if (t->empty() || *end != '\0' || seconds < 1 || seconds > 86400)
+      throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
+                  fmt::format("GRADSYNC_SETUP_TIMEOUT_S={:?} is not a whole number from 1 to 86400", *t));
+    o.setup_timeout = std::chrono::seconds(seconds);
+  }
+  return o;
+}
+
+}  // namespace gradsync::transport

@@ -1,0 +1,130 @@
+#pragma once
+// The shared-memory segment of transport::SharedMemory (shared_memory.hpp): its layout, and how
+// local rank 0 creates it and the others attach to it. Private to the library.
+//
+// Layout: a Header, then one RankArea per local rank, then each rank's pool of Records. Every
+// field another process reads is either set before the header's magic is published (release)
+// or guarded by the process-shared mutex named beside it.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/sync/interprocess_condition.hpp>
+#include <boost/interprocess/sync/interprocess_mutex.hpp>
+
+#include "detail/hmac.hpp"
+#include "gradsync/transport/shared_memory.hpp"
+
+namespace gradsync::transport::shm {
+
+namespace ipc = boost::interprocess;
+
+inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
+inline constexpr std::uint32_t segment_version = 1;
+inline constexpr std::uint32_t no_record = 0xffffffffu;
+
+// A process as the kernel knows it: pid and start time (clock ticks since boot), so a recycled
+// pid is never taken for the process that once had it.
+struct ProcessIdentity {
+  std::int32_t pid = 0;
+  std::uint64_t start_ticks = 0;
+
+  static ProcessIdentity self();
+  bool running() const;  // false once it has exited (a zombie counts as exited)
+};
+
+// One posted send or receive. Lives in its owner's pool; while it waits for its other half it is
+// queued in the receiving rank's mailbox (`next`), and once matched it is queued in its owner's
+// completion list (`done_next`).
+struct Record {
+  enum class Outcome : std::uint32_t { pending, done, too_long, copy_failed };
+  std::uint32_t next = no_record;
+  std::uint32_t done_next = no_record;
+  std::int32_t owner = -1;  // local ranks
+  std::int32_t peer = -1;
+  std::uint32_t is_send = 0;
+  Outcome outcome = Outcome::pending;
+  std::uint64_t tag = 0;
+  std::uint64_t address = 0;  // the buffer, in its owner's address space
+  std::uint64_t size = 0;     // bytes offered (send) or room (receive)
+  std::uint64_t transferred = 0;
+  std::uint64_t other_size = 0;  // the other half's size, for a too-long message
+  std::int32_t copy_errno = 0;
+};
+
+struct FifoQueue {
+  std::uint32_t head = no_record;
+  std::uint32_t tail = no_record;
+};
+
+struct RankArea {
+  ProcessIdentity process;
+  std::uint64_t mapped_at = 0;            // where this rank mapped the segment, for the setup's cross-memory check
+  std::atomic<std::uint32_t> closed{0};  // the rank destroyed its transport
+  ipc::interprocess_mutex mailbox_mutex;  // guards sends/receives addressed to this rank, and the copies
+  FifoQueue sends;                        // others' sends to this rank, unmatched
+  FifoQueue receives;                     // this rank's receives, unmatched
+  ipc::interprocess_mutex done_mutex;     // guards `done`; taken after mailbox_mutex, never before
+  ipc::interprocess_condition done_changed;
+  FifoQueue done;                         // this rank's matched records, for its completion thread
+  std::uint32_t wake = 0;                 // a failure or a close asks the thread to look around
+};
+
+struct Header {
+  std::atomic<std::uint32_t> magic{0};  // published last: the rest is complete once it reads segment_magic
+  std::uint32_t version = segment_version;
+  std::uint32_t local_size = 0;
+  std::uint32_t capacity = 0;  // records per rank
+  ProcessIdentity creator;
+  std::array<std::uint8_t, 16> nonce{};
+  gradsync::detail::Digest proof{};  // HMAC-SHA-256(token, "gradsync-shm" + nonce): the creator holds the token
+  ipc::interprocess_mutex setup_mutex;
+  ipc::interprocess_condition setup_changed;
+  std::uint32_t attached = 0;  // guarded by setup_mutex
+  // The first failure (an abort), for every rank to report: who, and its message.
+  std::atomic<std::int32_t> failed_rank{-1};
+  std::atomic<std::uint32_t> failure_written{0};
+  std::array<char, 512> failure{};
+};
+
+// A mapped segment, attached and checked. Unlinks its name when every local rank has attached.
+class Segment {
+ public:
+  // Creates (local rank 0) or attaches; returns once all local ranks have attached.
+  explicit Segment(const SharedMemoryOptions& options);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  Header& header() const { return *header_; }
+  RankArea& rank(int local) const { return areas_[local]; }
+  Record& record(std::uint32_t handle) const { return records_[handle]; }
+  std::uint32_t handle(int owner, std::uint32_t index) const {
+    return static_cast<std::uint32_t>(owner) * header_->capacity + index;
+  }
+  std::uint32_t capacity() const { return header_->capacity; }
+
+  static std::string name(const SharedMemoryOptions& options);
+
+ private:
+  void create(const SharedMemoryOptions& options, std::chrono::steady_clock::time_point deadline);
+  void attach(const SharedMemoryOptions& options, std::chrono::steady_clock::time_point deadline);
+  void await_everyone(const SharedMemoryOptions& options, std::chrono::steady_clock::time_point deadline);
+  void lay_out();
+
+  std::string name_;
+  std::unique_ptr<ipc::mapped_region> region_;
+  Header* header_ = nullptr;
+  RankArea* areas_ = nullptr;
+  Record* records_ = nullptr;
+  bool named_ = false;  // this rank still has to unlink the name (local rank 0)
+};
+
+// A deadline for a process-shared lock or wait: Boost.Interprocess reads absolute UTC time.
+boost::posix_time::ptime utc_deadline(std::chrono::steady_clock::duration from_now);
+
+}  // namespace gradsync::transport::shm

@@ -1,0 +1,278 @@
+// transport::SharedMemory between real processes on this machine, and transport::Routed over it
+// and TCP: allreduce bit-identical on every rank for every topology and codec, a killed rank
+// named by the others, segments that leave nothing behind and stale ones never joined.
+
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <bit>
+#include <filesystem>
+#include <random>
+
+#include "gradsync/gradsync.hpp"
+#include "gradsync/transport/routed.hpp"
+#include "gradsync/transport/shared_memory.hpp"
+#include "gradsync/transport/tcp.hpp"
+#include "processes.hpp"
+#include "support.hpp"
+
+using namespace gradsync;
+using namespace std::chrono_literals;
+using transport::SharedMemory;
+using transport::SharedMemoryOptions;
+
+static_assert(TransportPolicy<transport::Routed<SharedMemory, transport::Tcp>>);
+
+namespace {
+
+constexpr const char* token = "shm-test-token";
+
+// A job name no other test (or earlier run) uses.
+std::string fresh_job() {
+  static int count = 0;
+  return fmt::format("test-job-{}-{}-{}", ::getpid(), count++, std::random_device{}());
+}
+
+SharedMemoryOptions options(int local_rank, int n, const std::string& job) {
+  return {.local_rank = local_rank, .local_size = n, .job = job, .token = token, .setup_timeout = 20s};
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+bool segment_exists(const std::string& job, int n) {
+  return std::filesystem::exists("/dev/shm/" + SharedMemory::segment_name(options(0, n, job)));
+}
+
+// Each rank's result as text: rank 0 compares them (bit for bit) with everyone's.
+std::string hex_bits(const std::vector<float>& values) {
+  std::string out;
+  for (float v : values) out += fmt::format("{:08x}", std::bit_cast<std::uint32_t>(v));
+  return out;
+}
+
+// Runs three iterations of `sync` over gradients of `sizes`, with rank-dependent random inputs;
+// returns the digest of what the last iteration left, and checks each iteration against the
+// plain average within `tolerance` (negative: no check; lossy codecs).
+template <class Sync>
+std::string run_iterations(Sync& sync, int rank, int n, const std::vector<std::size_t>& sizes, float tolerance) {
+  std::vector<std::vector<float>> grads;
+  for (std::size_t s : sizes) grads.emplace_back(s);
+  for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
+  std::string digest;
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    std::vector<std::vector<std::vector<float>>> inputs(sizes.size());
+    for (std::size_t g = 0; g < sizes.size(); ++g)
+      for (int r = 0; r < n; ++r)
+        inputs[g].push_back(test::random_values(sizes[g], 1000u * static_cast<unsigned>(iteration) + 10u * g +
+                                                              static_cast<unsigned>(r)));
+    for (std::size_t g = 0; g < sizes.size(); ++g) grads[g] = inputs[g][static_cast<std::size_t>(rank)];
+    for (std::size_t g = sizes.size(); g-- > 0;) sync.ready(static_cast<GradId>(g));
+    sync.wait();
+    digest.clear();
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      digest += hex_bits(grads[g]);
+      if (tolerance < 0) continue;
+      for (std::size_t e = 0; e < sizes[g]; ++e) {
+        double sum = 0;
+        for (int r = 0; r < n; ++r) sum += inputs[g][static_cast<std::size_t>(r)][e];
+        const double expected = sum / n;
+        if (std::abs(grads[g][e] - expected) > tolerance * (1 + std::abs(expected)))
+          return fmt::format("gradient {} element {} is {}, expected {} in iteration {}", g, e, grads[g][e], expected,
+                             iteration);
+      }
+    }
+  }
+  return digest;
+}
+
+// Every child's digest must equal rank 0's.
+void check_identical(const std::vector<test::ChildResult>& results) {
+  for (const auto& r : results) {
+    const bool digest = !contains(r.report, "error") && !contains(r.report, "exception") && r.report.size() > 2;
+    REQUIRE_MESSAGE(digest, r.report.substr(0, 300));
+    CHECK_MESSAGE(r.report == results[0].report, "a rank's average differs from rank 0's bits");
+  }
+}
+
+template <class Codec, class Topology>
+void allreduce_everywhere_identical(const char* codec_name, Codec codec, Topology topology, float tolerance) {
+  const std::vector<std::size_t> sizes{0, 1, 13, 1009, 70001};
+  for (int n = 2; n <= 6; ++n) {
+    CAPTURE(n);
+    CAPTURE(codec_name);
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      Synchronizer<bucketing::PerTensor, Codec, Topology, SharedMemory> sync(SharedMemory(options(rank, n, job)),
+                                                                              {.timeout = 30s}, {}, codec, topology);
+      return run_iterations(sync, rank, n, sizes, tolerance);
+    });
+    check_identical(results);
+    CHECK_FALSE(segment_exists(job, n));
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("shared_memory") {
+  TEST_CASE("messages between processes: matched by sender and tag, to itself, too long, withdrawn at the deadline") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(3, [&](int rank) -> std::string {
+      SharedMemory shm(options(rank, 3, job));
+      const int right = (rank + 1) % 3, left = (rank + 2) % 3;
+      // Two tags posted in the opposite order on each side: matching is by tag, not arrival.
+      std::vector<std::int32_t> out1(1000, rank), out2(7, rank * 10), in1(1000, -1), in2(7, -1), self_in(3, -1);
+      const std::vector<std::int32_t> self_out{rank, rank, rank};
+      SharedMemory::Request s1, s2, r1, r2, ss, sr;
+      shm.recv(r2, left, 2, std::as_writable_bytes(std::span(in2)));
+      shm.recv(r1, left, 1, std::as_writable_bytes(std::span(in1)));
+      shm.send(s1, right, 1, std::as_bytes(std::span(out1)));
+      shm.send(s2, right, 2, std::as_bytes(std::span(out2)));
+      shm.send(ss, rank, 9, std::as_bytes(std::span(self_out)));
+      shm.recv(sr, rank, 9, std::as_writable_bytes(std::span(self_in)));
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      for (auto* r : {&s1, &s2, &r1, &r2, &ss, &sr}) shm.wait(*r, deadline);
+      if (in1 != std::vector<std::int32_t>(1000, left) || in2 != std::vector<std::int32_t>(7, left * 10) ||
+          self_in != self_out)
+        return "wrong contents";
+      // Too long: 8 bytes into a 4-byte receive fails on both sides with the sizes.
+      std::array<std::byte, 8> big{};
+      std::array<std::byte, 4> small{};
+      SharedMemory::Request tl;
+      if (rank == 0) shm.send(tl, 1, 5, big);
+      if (rank == 1) shm.recv(tl, 0, 5, small);
+      if (rank < 2) {
+        try {
+          shm.wait(tl, std::chrono::steady_clock::now() + 10s);
+          return "too-long message accepted";
+        } catch (const Error& e) {
+          if (e.kind() != ErrorKind::protocol || !contains(e.what(), "8 bytes")) return e.what();
+        }
+      }
+      // Nobody sends tag 6: the receive is withdrawn at its deadline with Error(timeout).
+      SharedMemory::Request lonely;
+      shm.recv(lonely, left, 6, small);
+      try {
+        shm.wait(lonely, std::chrono::steady_clock::now() + 100ms);
+        return "lonely receive completed";
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::timeout) return e.what();
+      }
+      // Everyone is past the checks before anyone closes (a closed peer fails the others' operations).
+      SharedMemory::Request b_out, b_in;
+      shm.send(b_out, right, 100, {});
+      shm.recv(b_in, left, 100, {});
+      shm.wait(b_out, std::chrono::steady_clock::now() + 10s);
+      shm.wait(b_in, std::chrono::steady_clock::now() + 10s);
+      return "ok";
+    });
+    for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+    CHECK_FALSE(segment_exists(job, 3));
+  }
+
+  TEST_CASE("ring over shared memory: every rank the same bits, 2-6 processes") {
+    allreduce_everywhere_identical("none", compression::None{}, topology::Ring{.chunk_elements = 4096}, 1e-5f);
+    allreduce_everywhere_identical("ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{},
+                                   topology::Ring{.chunk_elements = 4096}, -1);
+  }
+
+  TEST_CASE("parameter server over shared memory: every rank the same bits, 2-6 processes") {
+    allreduce_everywhere_identical("none", compression::None{},
+                                   topology::ParameterServer{.partitions = 5, .chunk_elements = 4096}, 1e-5f);
+    allreduce_everywhere_identical("fp16", compression::Fp16{},
+                                   topology::ParameterServer{.partitions = 5, .chunk_elements = 4096}, -1);
+  }
+
+  TEST_CASE("a killed local rank makes the others fail fast, naming it; the segment is gone") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(3, [&](int rank) -> std::string {
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, SharedMemory> sync(
+          SharedMemory(options(rank, 3, job)), {.timeout = 60s});
+      std::vector<float> a(100000, 1.0f), b(1000, 2.0f);
+      sync.add("a", view(a));
+      sync.add("b", view(b));
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        sync.ready(1);
+        if (rank == 2 && iteration == 1) ::raise(SIGKILL);  // dies between its two gradients
+        sync.ready(0);
+        sync.wait();
+      }
+      return "ok";
+    });
+    CHECK(results[2].signalled());
+    for (int r : {0, 1}) {
+      const auto& report = results[static_cast<std::size_t>(r)].report;
+      CAPTURE(report);
+      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+      CHECK(contains(report, "error peer failed"));  // not a timeout: the 60 s did not run out
+      CHECK(contains(report, "rank 2"));
+    }
+    CHECK_FALSE(segment_exists(job, 3));
+  }
+
+  TEST_CASE("a segment left by a killed job is replaced, never joined") {
+    const std::string job = fresh_job();
+    // A job's local rank 0 creates the segment and is killed before its peer attaches.
+    const pid_t doomed = ::fork();
+    if (doomed == 0) {
+      try {
+        SharedMemory shm(options(0, 2, job));
+      } catch (...) {
+      }
+      ::_exit(0);
+    }
+    for (int i = 0; i < 500 && !segment_exists(job, 2); ++i) std::this_thread::sleep_for(10ms);
+    REQUIRE(segment_exists(job, 2));
+    std::this_thread::sleep_for(200ms);  // the name appears before the header is written
+    ::kill(doomed, SIGKILL);
+    ::waitpid(doomed, nullptr, 0);
+    REQUIRE(segment_exists(job, 2));  // left behind
+
+    // A local rank 1 alone does not join it: it waits for a live local rank 0, and says why not.
+    const auto alone = test::run_processes(1, [&](int) -> std::string {
+      SharedMemoryOptions o = options(1, 2, job);
+      o.setup_timeout = 300ms;
+      SharedMemory shm(o);
+      return "joined";
+    });
+    CAPTURE(alone[0].report);
+    CHECK(contains(alone[0].report, "error timeout"));
+    CHECK(contains(alone[0].report, "has exited: not joined"));
+
+    // A new job under the same name replaces it and runs.
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      SharedMemory shm(options(rank, 2, job));
+      std::array<int, 4> out{rank, rank, rank, rank}, in{};
+      SharedMemory::Request s, r;
+      shm.send(s, 1 - rank, 3, std::as_bytes(std::span(out)));
+      shm.recv(r, 1 - rank, 3, std::as_writable_bytes(std::span(in)));
+      shm.wait(s, std::chrono::steady_clock::now() + 10s);
+      shm.wait(r, std::chrono::steady_clock::now() + 10s);
+      return in == std::array<int, 4>{1 - rank, 1 - rank, 1 - rank, 1 - rank} ? "ok" : "wrong contents";
+    });
+    for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+    CHECK_FALSE(segment_exists(job, 2));
+  }
+
+  TEST_CASE("a segment of another token is refused; ranks that count the machine differently are told") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      SharedMemoryOptions o = options(rank, rank == 0 ? 2 : 3, job);
+      o.setup_timeout = 5s;
+      SharedMemory shm(o);
+      return "ok";
+    });
+    CHECK(contains(results[1].report, "error ranks disagree"));
+    CHECK(contains(results[1].report, "for 2 local ranks, this rank counts 3"));
+
+    const std::string job2 = fresh_job();
+    const auto forged = test::run_processes(2, [&](int rank) -> std::string {
+      SharedMemoryOptions o = options(rank, 2, job2);
+      if (rank == 0) o.token = "another token";
+      o.setup_timeout = 5s;
+      SharedMemory shm(o);
+      return "ok";
+    });
+    CHECK(contains(forged[1].report, "not made by a holder of this job's token"));
+  }
+}
