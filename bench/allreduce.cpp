@@ -1,12 +1,15 @@
 // bench/allreduce — nccl-tests style: time one allreduce of each size (the topology's schedule,
 // run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
-//   allreduce [--transport in-process|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]
+//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server] [--partitions P] [--chunk-bytes B] [--json PATH]
 //
-// in-process: N ranks as threads of this process. tcp: one rank per process, placed by the
-// launcher's variables (gradsync-run, torchrun, mpirun, srun, netcluster run); --ranks is ignored.
+// in-process: N ranks as threads of this process. shm: one rank per process, all on one machine,
+// over shared memory (gradsync-run -n N). tcp: one rank per process, placed by the launcher's
+// variables (gradsync-run, torchrun, mpirun, srun, netcluster run); --ranks is ignored. With
+// several ranks per machine (LOCAL_WORLD_SIZE > 1) those of one machine talk over shared memory
+// and only the others over TCP (transport::Routed), unless --local-transport tcp.
 //
 // Every iteration starts at a barrier; an iteration's time is the slowest rank's; the table shows
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
@@ -42,6 +45,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Config {
   std::string transport = "in-process";
+  std::string local_transport = "shm";
   int ranks = 4;
   std::size_t min_bytes = 1024;
   std::size_t max_bytes = std::size_t{256} << 20;
@@ -220,6 +224,16 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
 
 template <class Codec>
 std::vector<Row> run(const Config& cfg, int& ranks, const Codec& codec) {
+  if (cfg.transport == "shm") {
+    transport::SharedMemory shm = transport::SharedMemory::from_env();
+    ranks = shm.size();
+    return run_rank(shm, cfg, codec);
+  }
+  if (cfg.transport == "tcp" && cfg.local_transport == "shm" && launch::from_environment().local_world_size > 1) {
+    transport::Routed routed(transport::SharedMemory::from_env(), transport::Tcp::from_env());
+    ranks = routed.size();
+    return run_rank(routed, cfg, codec);
+  }
   if (cfg.transport == "tcp") {
     transport::Tcp tcp = transport::Tcp::from_env();
     ranks = tcp.size();
@@ -240,9 +254,13 @@ std::vector<Row> run(const Config& cfg, int& ranks, const Codec& codec) {
 
 void declare_options(CLI::App& app, Config& cfg) {
   tk::add_choice(app, "--transport", cfg.transport,
-                 "in-process: the ranks are threads of this process; tcp: one rank per process, placed by the "
-                 "launcher's variables (--ranks is ignored)",
-                 {"in-process", "tcp"});
+                 "in-process: the ranks are threads of this process; shm: one rank per process, all on this "
+                 "machine (shared memory); tcp: one rank per process, placed by the launcher's variables (--ranks "
+                 "is ignored)",
+                 {"in-process", "shm", "tcp"});
+  tk::add_choice(app, "--local-transport", cfg.local_transport,
+                 "with tcp and several ranks per machine (LOCAL_WORLD_SIZE > 1): how ranks of one machine talk",
+                 {"shm", "tcp"});
   tk::add_number(app, "--ranks", cfg.ranks, "ranks (in-process)", {.low = 1});
   tk::add_byte_size(app, "--min-bytes", cfg.min_bytes, "the first size", {.low = sizeof(float)});
   tk::add_byte_size(app, "--max-bytes", cfg.max_bytes, "no size beyond this", {.low = sizeof(float)});
@@ -257,9 +275,16 @@ void declare_options(CLI::App& app, Config& cfg) {
   app.footer("Sizes take K, M or G suffixes (binary). GB = 1e9 bytes.");
 }
 
+// What carried the messages: tcp alone, or shared memory within each machine and tcp across.
+std::string transport_name(const Config& cfg) {
+  if (cfg.transport != "tcp" || cfg.local_transport != "shm") return cfg.transport;
+  const auto local = launch::process_environment("LOCAL_WORLD_SIZE");
+  return local && *local != "1" ? "shm+tcp" : "tcp";
+}
+
 void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {} (chunk {} B), codec {}\n", ranks,
-             cfg.transport, cfg.topology == "ring" ? "ring" : parameter_server(cfg).describe(), cfg.chunk_bytes, cfg.codec);
+             transport_name(cfg), cfg.topology == "ring" ? "ring" : parameter_server(cfg).describe(), cfg.chunk_bytes, cfg.codec);
   fmt::print("# median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, one thread\n",
              cfg.iters, cfg.warmup);
   fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
@@ -283,7 +308,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"ranks", ranks},
                     {"topology", cfg.topology},
                     {"codec", cfg.codec},
-                    {"transport", cfg.transport},
+                    {"transport", transport_name(cfg)},
                     {"time_us", tk::rounded(r.time_us, 3)},
                     {"algbw_GBps", tk::rounded(algbw, 5)},
                     {"busbw_GBps", tk::rounded(algbw * bus_factor(ranks), 5)},
