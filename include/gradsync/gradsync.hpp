@@ -18,6 +18,7 @@
 #include "gradsync/synchronizer.hpp"
 #include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/ring.hpp"
+#include "gradsync/transport/borrowed.hpp"
 #include "gradsync/transport/in_process.hpp"
 #include "gradsync/transport/routed.hpp"
 #include "gradsync/transport/shared_memory.hpp"

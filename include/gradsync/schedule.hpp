@@ -5,19 +5,38 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "gradsync/launch/environment.hpp"
 #include "gradsync/types.hpp"
 
 namespace gradsync {
 
-// The ranks taking part in a collective. `members` are transport ranks; `rank` indexes members.
+// The ranks taking part in a collective, with their own numbering: `members` are transport ranks,
+// group rank i is members[i], and `rank` is this process's group rank. A Synchronizer built on a
+// group (synchronizer.hpp) averages over its members only, and its ranks check at the first
+// synchronization that they agree on the members, naming the group (`name`) if they do not.
+//
+// Machine-local groups follow the launchers' numbering (launch/environment.hpp): machine m holds
+// ranks m*L .. m*L+L-1, L = LOCAL_WORLD_SIZE, the same on every machine.
 struct Group {
   int rank = 0;
   std::vector<int> members{};
+  std::string name = "world";
 
   int size() const noexcept { return static_cast<int>(members.size()); }
+  std::string describe() const;  // "machine 1: ranks 4, 5, 6, 7"
+
+  // Every rank of a transport of `size` ranks, in transport order.
   static Group world(int rank, int size);
+  // An explicit list of transport ranks, numbered in the order given; `self` (this process's
+  // transport rank) must be one of them, and none may repeat. Throws Error(invalid_argument).
+  static Group of(std::vector<int> members, int self, std::string name);
+  // The ranks on this process's machine: its local ranks, numbered by LOCAL_RANK.
+  static Group machine(const launch::Launch& launch);
+  // One rank of each machine, those with this process's LOCAL_RANK, numbered by machine.
+  static Group across_machines(const launch::Launch& launch);
 };
 
 // What a schedule needs to know about the codec it will run with.

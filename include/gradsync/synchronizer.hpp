@@ -52,14 +52,37 @@ class Synchronizer {
   using Topology = T;
   using Transport = X;
 
+  // Averages over every rank of `transport`.
   explicit Synchronizer(X transport, Options options = {}, B bucketing = {}, C codec = {}, T topology = {})
+      : Synchronizer(std::move(transport), std::nullopt, std::move(options), std::move(bucketing), std::move(codec),
+                     std::move(topology)) {}
+
+  // Averages over the members of `group` only (schedule.hpp: Group::machine, Group::across_machines,
+  // Group::of), with the group's numbering: rank() and size() are the group's. Several
+  // Synchronizers may share one transport (transport::Borrowed) when no two of their groups share
+  // a pair of ranks, e.g. the machine-local and the cross-machine groups.
+  Synchronizer(X transport, Group group, Options options = {}, B bucketing = {}, C codec = {}, T topology = {})
+      : Synchronizer(std::move(transport), std::optional<Group>(std::move(group)), std::move(options),
+                     std::move(bucketing), std::move(codec), std::move(topology)) {}
+
+ private:
+  Synchronizer(X transport, std::optional<Group> group, Options options, B bucketing, C codec, T topology)
       : transport_(std::move(transport)),
         options_(options),
         bucketing_(std::move(bucketing)),
         codec_(std::move(codec)),
         topology_(std::move(topology)),
-        group_(Group::world(transport_.rank(), transport_.size())),
+        group_(group ? std::move(*group) : Group::world(transport_.rank(), transport_.size())),
         control_(transport_, group_, options_.timeout) {
+    if (group_.rank < 0 || group_.rank >= group_.size() || group_.members[group_.rank] != transport_.rank())
+      throw Error(ErrorKind::invalid_argument, {.rank = transport_.rank(), .operation = "group"},
+                  fmt::format("group {:?} does not place this rank (transport rank {}) at its rank {}", group_.name,
+                              transport_.rank(), group_.rank));
+    for (int member : group_.members)
+      if (member < 0 || member >= transport_.size())
+        throw Error(ErrorKind::invalid_argument, {.rank = transport_.rank(), .operation = "group"},
+                    fmt::format("group {:?} names rank {}, which the transport ({} ranks) does not have",
+                                group_.name, member, transport_.size()));
     if (options_.compute_threads < 1)
       throw Error(ErrorKind::invalid_argument, here("options"),
                   fmt::format("compute_threads is {}; the task graph needs at least 1", options_.compute_threads));
@@ -76,6 +99,7 @@ class Synchronizer {
                               options_.coordination.window));
   }
 
+ public:
   Synchronizer(const Synchronizer&) = delete;
   Synchronizer& operator=(const Synchronizer&) = delete;
 
@@ -171,8 +195,10 @@ class Synchronizer {
     return true;
   }
 
-  int rank() const noexcept { return transport_.rank(); }
-  int size() const noexcept { return transport_.size(); }
+  // This rank in the group the Synchronizer averages over (the whole transport unless built on a group).
+  int rank() const noexcept { return group_.rank; }
+  int size() const noexcept { return group_.size(); }
+  const Group& group() const noexcept { return group_; }
   const Layout& layout() const noexcept { return layout_; }
   // The plan in use; read it between wait() and the next ready().
   const BucketPlan& plan() const noexcept { return plan_; }
@@ -198,7 +224,7 @@ class Synchronizer {
   };
 
   ErrorContext here(std::string operation, std::optional<std::uint32_t> bucket = std::nullopt) const {
-    return {.rank = rank(), .bucket = bucket, .operation = std::move(operation)};
+    return {.rank = transport_.rank(), .bucket = bucket, .operation = std::move(operation)};
   }
 
   [[noreturn]] void rethrow() {
@@ -310,6 +336,7 @@ class Synchronizer {
 
   void communicate() {
     try {
+      engine::agree_on_membership(control_);
       engine::agree_on_layout(control_, layout_, describe_policies());
       if (options_.selective_compression && !C::identity && size() > 1) {
         costs_ = engine::calibrate(codec_, control_);

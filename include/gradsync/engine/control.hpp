@@ -18,12 +18,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/engine/tag.hpp"
@@ -88,6 +90,47 @@ class ControlChannel {
     return text;
   }
 
+  // Sends `mine` to every other member and hands each member's own text to on_each(peer, text),
+  // in group order; the texts travel raw (at most `max_text` bytes). Members that send nothing
+  // before the deadline are listed in the Error(mismatch) `what` names: they do not count this
+  // rank in the same exchange. Used once, at the first synchronization: it allocates.
+  template <class OnEach>
+  void exchange_with_all(std::uint64_t iteration, ControlMessage m, std::string_view mine, std::string_view what,
+                         OnEach&& on_each) {
+    constexpr std::size_t max_text = std::size_t{1} << 20;
+    const int n = group_.size();
+    if (mine.size() > max_text) throw malformed(group_.rank, fmt::format("{} is over {} bytes", what, max_text));
+    const auto sends = std::make_unique<typename X::Request[]>(static_cast<std::size_t>(n));
+    const auto receives = std::make_unique<typename X::Request[]>(static_cast<std::size_t>(n));
+    std::vector<std::string> texts(static_cast<std::size_t>(n), std::string(max_text, '\0'));
+    const auto out = std::as_bytes(std::span(mine.data(), mine.size()));
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer == group_.rank) continue;
+      transport_.recv(receives[peer], group_.members[peer], control_tag(iteration, m),
+                      std::as_writable_bytes(std::span(texts[peer].data(), max_text)));
+      transport_.send(sends[peer], group_.members[peer], control_tag(iteration, m), out);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    std::vector<int> silent;
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer == group_.rank) continue;
+      try {
+        texts[peer].resize(transport_.wait(receives[peer], deadline));
+        transport_.wait(sends[peer], deadline);
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::timeout) throw;
+        silent.push_back(group_.members[peer]);
+      }
+    }
+    if (!silent.empty())
+      throw Error(ErrorKind::mismatch, {.rank = group_.members[group_.rank], .operation = std::string(what)},
+                  fmt::format("ranks {} did not answer within {} ms: they do not count this rank in {:?} (or "
+                              "never got this far)",
+                              fmt::join(silent, ", "), timeout_.count(), group_.name));
+    for (int peer = 0; peer < n; ++peer)
+      if (peer != group_.rank) on_each(peer, std::string_view(texts[peer]));
+  }
+
   // One timed transfer of `bytes` raw bytes as message `tag`: sent to group rank `to` while as many
   // are received from group rank `from`. The channel's own buffers travel; their contents do not
   // matter.
@@ -149,6 +192,26 @@ void agree_on_layout(ControlChannel<X>& control, const Layout& layout, std::stri
     throw Error(ErrorKind::mismatch,
                 {.rank = control.group().members[control.group().rank], .operation = "layout check"},
                 std::string(agreed));
+}
+
+// Stops with Error(mismatch) on every member that disagrees with another about the group's name
+// or members, naming both versions. Members a rank does not count at all cannot answer it; they
+// are named once the control timeout has passed.
+template <TransportPolicy X>
+void agree_on_membership(ControlChannel<X>& control) {
+  const Group& group = control.group();
+  if (group.size() == 1) return;
+  const std::string mine = group.describe();
+  std::string differences;
+  control.exchange_with_all(0, ControlMessage::membership, mine, "group membership check",
+                            [&](int peer, std::string_view theirs) {
+                              if (theirs == mine) return;
+                              differences += fmt::format("{}rank {} counts {:?}", differences.empty() ? "" : "; ",
+                                                         group.members[peer], theirs);
+                            });
+  if (!differences.empty())
+    throw Error(ErrorKind::mismatch, {.rank = group.members[group.rank], .operation = "group membership check"},
+                fmt::format("this rank counts {:?}, but {}", mine, differences));
 }
 
 // Group rank 0's `proposal` installed everywhere: the plan every rank uses from the next iteration.

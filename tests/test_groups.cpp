@@ -1,0 +1,143 @@
+// Groups: a rank set with its own numbering over an existing transport. How the launch's groups
+// are numbered, Synchronizers on the machine-local and cross-machine groups of one transport at
+// once, ranks that disagree about a group told so, and one world over shared memory and TCP.
+
+#include <doctest/doctest.h>
+
+#include <random>
+
+#include "gradsync/gradsync.hpp"
+#include "processes.hpp"
+#include "support.hpp"
+
+using namespace gradsync;
+using namespace std::chrono_literals;
+
+namespace {
+
+launch::Launch placed(int rank, int world, int local_world) {
+  return {.rank = rank, .world_size = world, .local_rank = rank % local_world, .local_world_size = local_world};
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+using Borrowed = transport::Borrowed<transport::InProcess>;
+template <class X>
+using RingSync = Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, X>;
+
+}  // namespace
+
+TEST_SUITE("groups") {
+  TEST_CASE("the launch's groups: the machine's ranks and one rank per machine, numbered as documented") {
+    // 3 machines of 4: rank 6 is local rank 2 of machine 1.
+    const Group machine = Group::machine(placed(6, 12, 4));
+    CHECK(machine.members == std::vector<int>{4, 5, 6, 7});
+    CHECK(machine.rank == 2);
+    CHECK(machine.name == "machine 1");
+    const Group across = Group::across_machines(placed(6, 12, 4));
+    CHECK(across.members == std::vector<int>{2, 6, 10});
+    CHECK(across.rank == 1);
+    CHECK(across.describe() == "local rank 2 across machines: ranks 2, 6, 10");
+
+    const Group listed = Group::of({5, 1, 3}, 3, "odd");
+    CHECK(listed.rank == 2);
+    CHECK_THROWS_WITH_AS(Group::of({5, 1, 3}, 2, "odd"), doctest::Contains("does not include this rank"), Error);
+    CHECK_THROWS_WITH_AS(Group::of({1, 2, 1}, 2, "twice"), doctest::Contains("names a rank twice"), Error);
+    // 10 ranks cannot be machines of 4.
+    CHECK_THROWS_WITH_AS(Group::machine(placed(5, 10, 4)), doctest::Contains("same number of ranks on every machine"),
+                         Error);
+  }
+
+  TEST_CASE("a Synchronizer on a group averages over its members; machine and cross-machine groups share a transport") {
+    // 2 machines x 3 ranks, one in-process world. Each rank first averages within its machine,
+    // then (on the same transport, concurrently with the other machine) across machines, which
+    // leaves the world's average everywhere: two-level averaging by hand.
+    constexpr int machines = 2, local = 3, n = machines * local;
+    const std::size_t count = 1000;
+    std::vector<std::vector<float>> inputs;
+    for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(count, 77u + static_cast<unsigned>(r)));
+    std::vector<std::vector<float>> results(n);
+    const auto errors = test::run_ranks(n, [&](transport::InProcess& world) {
+      const launch::Launch me = placed(world.rank(), n, local);
+      RingSync<Borrowed> within(Borrowed(world), Group::machine(me), {.timeout = 20s});
+      RingSync<Borrowed> across(Borrowed(world), Group::across_machines(me), {.timeout = 20s});
+      CHECK(within.rank() == me.local_rank);
+      CHECK(within.size() == local);
+      CHECK(across.size() == machines);
+      std::vector<float> g = inputs[static_cast<std::size_t>(world.rank())];
+      within.add("g", view(g));
+      across.add("g", view(g));
+      within.ready(0);
+      within.wait();
+      across.ready(0);
+      across.wait();
+      results[static_cast<std::size_t>(world.rank())] = g;
+    });
+    for (const auto& e : errors) REQUIRE_MESSAGE(!e, e->what());
+    for (std::size_t e = 0; e < count; ++e) {
+      double sum = 0;
+      for (int r = 0; r < n; ++r) sum += inputs[static_cast<std::size_t>(r)][e];
+      for (int r = 0; r < n; ++r) CHECK(results[static_cast<std::size_t>(r)][e] == doctest::Approx(sum / n).epsilon(1e-5));
+    }
+    // The cross-machine step leaves the same bits on every rank.
+    for (int r = 1; r < n; ++r) CHECK(results[static_cast<std::size_t>(r)] == results[0]);
+  }
+
+  TEST_CASE("ranks that disagree about a group's members are told, with both versions") {
+    // Rank 2 numbers the same three ranks differently.
+    const auto errors = test::run_ranks(3, [&](transport::InProcess& world) {
+      const int rank = world.rank();
+      const std::vector<int> members = rank == 2 ? std::vector<int>{2, 0, 1} : std::vector<int>{0, 1, 2};
+      RingSync<transport::InProcess> sync(std::move(world), Group::of(members, rank, "trio"), {.timeout = 5s});
+      std::vector<float> g(10, 1.0f);
+      sync.add("g", view(g));
+      sync.ready(0);
+      sync.wait();
+    });
+    for (const auto& e : errors) {
+      REQUIRE(e);
+      CHECK(e->kind() == ErrorKind::mismatch);
+    }
+    CHECK(contains(errors[0]->what(), "this rank counts \"trio: ranks 0, 1, 2\", but rank 2 counts \"trio: ranks 2, 0, 1\""));
+
+    // Rank 3 counts itself in the group of ranks 0-2, which do not count it: it names who did not answer.
+    const auto unanswered = test::run_ranks(4, [&](transport::InProcess& world) {
+      const int rank = world.rank();
+      const std::vector<int> members = rank == 3 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1, 2};
+      RingSync<transport::InProcess> sync(std::move(world), Group::of(members, rank, "trio"), {.timeout = 500ms});
+      std::vector<float> g(10, 1.0f);
+      sync.add("g", view(g));
+      sync.ready(0);
+      sync.wait();
+    });
+    REQUIRE(unanswered[3]);
+    CHECK(unanswered[3]->kind() == ErrorKind::mismatch);
+    CHECK(contains(unanswered[3]->what(), "ranks 0, 1, 2 did not answer"));
+  }
+
+  TEST_CASE("one world over shared memory within each machine and TCP across: Ring gives the same bits everywhere") {
+    // 2 "machines" of 2 processes: each machine's pair shares a segment of its own.
+    constexpr int machines = 2, local = 2, n = machines * local;
+    const std::uint16_t port = test::free_port();
+    const std::string job = fmt::format("groups-test-{}-{}", ::getpid(), std::random_device{}());
+    const std::size_t count = 30001;
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      transport::SharedMemoryOptions shm{.local_rank = rank % local, .local_size = local,
+                                         .first_rank = rank - rank % local, .job = job, .token = "t",
+                                         .setup_timeout = 20s};
+      transport::TcpOptions tcp{.rank = rank, .world_size = n, .master_port = port, .token = "t",
+                                .setup_timeout = 20s};
+      using World = transport::Routed<transport::SharedMemory, transport::Tcp>;
+      RingSync<World> sync(World(transport::SharedMemory(shm), transport::Tcp(tcp)), {.timeout = 20s}, {}, {},
+                           {.chunk_elements = 4096});
+      std::vector<float> g = test::random_values(count, 5u + static_cast<unsigned>(rank));
+      sync.add("g", view(g));
+      sync.ready(0);
+      sync.wait();
+      std::vector<std::vector<float>> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(count, 5u + static_cast<unsigned>(r)));
+      return g == test::ring_reference(compression::None{}, inputs) ? "ok" : "differs from the ring reference";
+    });
+    for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+  }
+}
