@@ -35,6 +35,14 @@ echo "$out"
 sleep 0.5
 ! pgrep -f "$marker" >/dev/null || { pgrep -af "$marker"; fail "ranks left running after the job ended"; pkill -f "$marker"; }
 
+# Machines emulated here: ranks numbered machine by machine, each machine with its own local ranks.
+out=$(timeout 60 "$run" --machines 3 -n 2 sh -c 'echo "place $RANK $LOCAL_RANK $LOCAL_WORLD_SIZE $WORLD_SIZE"' 2>&1); rc=$?
+echo "$out"
+[[ $rc -eq 0 ]] || fail "3 machines of 2 ranks ended with $rc"
+for r in 0 1 2 3 4 5; do
+  grep -q "^\[$r\] place $r $((r % 2)) 2 6$" <<<"$out" || fail "rank $r is not local rank $((r % 2)) of 2 in a world of 6"
+done
+
 out=$(env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE \
       -u SLURM_PROCID -u SLURM_NTASKS "$probe" 2>&1); rc=$?
 echo "$out"
