@@ -109,7 +109,7 @@ struct Sample {
 };
 
 template <class Bucketing, class Codec, class Topology>
-int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, gs::transport::Tcp transport,
+int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, tk::JobTransport transport,
         const Bucketing& policy, const Codec& codec, const Topology& topology) {
   const gs::Options options{.timeout = std::chrono::minutes(5),
                             .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
@@ -117,7 +117,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
                             .selective_compression = cfg.selective,
                             .coordination = cfg.coordination};
   const std::string transport_name = transport.describe();
-  gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp> sync(std::move(transport), options,
+  gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport> sync(std::move(transport), options,
                                                                         policy, codec, topology);
   const int rank = sync.rank(), ranks = sync.size();
   const int workers = tk::workers(topology, ranks);
@@ -309,13 +309,13 @@ int with_bucketing(const Config& cfg, F&& f) {
 
 int main(int argc, char** argv) try {
   Config cfg;
-  CLI::App app("A training step driven by a trace: its gradients averaged over TCP as backward produces them", "replay");
+  CLI::App app("A training step driven by a trace: its gradients averaged across the job as backward produces them", "replay");
   declare_options(app, cfg);
   if (!tk::parse_options(app, argc, argv)) return 0;
   std::ifstream file(cfg.trace);
   if (!file) throw std::runtime_error("cannot open " + cfg.trace);
   const auto trace = gradsync_bench::read_trace(file, cfg.trace);
-  gs::transport::Tcp transport = tk::connect_or_alone();
+  tk::JobTransport transport = tk::connect_or_alone();
   cfg.codec_settings.rank = transport.rank();
   const auto chunk = std::max<std::size_t>(1, static_cast<std::size_t>(cfg.chunk_mib * (1 << 20) / sizeof(float)));
   return with_bucketing(cfg, [&](const auto& policy) {

@@ -85,8 +85,8 @@ fmnist::Progress progress_printer() {
 }
 
 template <class Bucketing, class Codec, class Topology>
-int run(const Options& o, gs::transport::Tcp transport, const Codec& codec, const Topology& topology) {
-  using Sync = gs::Synchronizer<Bucketing, Codec, Topology, gs::transport::Tcp>;
+int run(const Options& o, tk::JobTransport transport, const Codec& codec, const Topology& topology) {
+  using Sync = gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport>;
   Sync sync(std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec, topology);
   const bool leader = sync.rank() == 0;
   fmnist::TrainConfig train = o.train;
@@ -156,7 +156,7 @@ int run(const Options& o, gs::transport::Tcp transport, const Codec& codec, cons
 
 template <class Bucketing>
 int with_codec(const Options& o) {
-  gs::transport::Tcp transport = tk::connect_or_alone();
+  tk::JobTransport transport = tk::connect_or_alone();
   auto settings = o.codec_settings;
   settings.seed = o.train.seed;
   settings.rank = transport.rank();

@@ -1,18 +1,29 @@
 #pragma once
-// For programs that run as one rank of a job or alone: a TCP transport placed by the launcher's
-// variables (gradsync-run, torchrun, mpirun, srun) when there are any, else a world of one.
+// For programs that run as one rank of a job or alone: the job's ranks placed by the launcher's
+// variables (gradsync-run, torchrun, mpirun, srun, netcluster) when there are any, else a world of
+// one. Ranks on one machine (LOCAL_WORLD_SIZE) talk through shared memory, the others over TCP.
+
+#include <unistd.h>
+
+#include <fmt/format.h>
 
 #include "gradsync/launch/environment.hpp"
+#include "gradsync/transport/routed.hpp"
+#include "gradsync/transport/shared_memory.hpp"
 #include "gradsync/transport/tcp.hpp"
 
 namespace gradsync::toolkit {
 
-inline gradsync::transport::Tcp connect_or_alone() {
+using JobTransport = gradsync::transport::Routed<gradsync::transport::SharedMemory, gradsync::transport::Tcp>;
+
+inline JobTransport connect_or_alone() {
   namespace gs = gradsync;
   if (gs::launch::process_environment("RANK") || gs::launch::process_environment("OMPI_COMM_WORLD_RANK") ||
       gs::launch::process_environment("PMI_RANK") || gs::launch::process_environment("SLURM_PROCID"))
-    return gs::transport::Tcp::from_env();
-  return gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = "single-process"});
+    return JobTransport(gs::transport::SharedMemory::from_env(), gs::transport::Tcp::from_env());
+  const std::string job = fmt::format("single-process-{}", ::getpid());
+  return JobTransport(gs::transport::SharedMemory({.job = job, .token = job}),
+                      gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = job}));
 }
 
 }  // namespace gradsync::toolkit
