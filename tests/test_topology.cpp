@@ -11,6 +11,8 @@
 #include <set>
 #include <tuple>
 
+#include <fmt/format.h>
+
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
@@ -182,9 +184,86 @@ void check_dependencies(const Topology& topology, int n) {
       }
 }
 
+
+// The ring's schedules as they were before topology::detail::RingPhases was factored out of it,
+// pinned: a readable listing of a small one, and a fingerprint of many shapes.
+std::string listing(const Schedule& s) {
+  std::string out = fmt::format("contributors {}; slots", s.contributors);
+  for (std::size_t e : s.slot_elements) out += fmt::format(" {}", e);
+  for (const Step& step : s.steps) {
+    out += fmt::format("\n{} [{},{})", engine::name(step.op), step.range.begin, step.range.end);
+    if (engine::is_transfer(step.op)) out += fmt::format(" peer {} message {}", step.peer, step.message);
+    if (step.slot != no_slot) out += fmt::format(" slot {}", step.slot);
+    if (step.after != no_step) out += fmt::format(" after {}", step.after);
+  }
+  return out;
+}
+
+std::uint64_t fingerprint(const Schedule& s, std::uint64_t h = 14695981039346656037ull) {
+  const auto mix = [&](std::uint64_t v) {
+    for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ull;
+  };
+  mix(static_cast<std::uint64_t>(s.contributors));
+  mix(s.slot_elements.size());
+  for (std::size_t e : s.slot_elements) mix(e);
+  mix(s.steps.size());
+  for (const Step& step : s.steps) {
+    mix(static_cast<std::uint64_t>(step.op));
+    mix(static_cast<std::uint64_t>(static_cast<std::int64_t>(step.peer)));
+    mix(step.message);
+    mix(step.range.begin);
+    mix(step.range.end);
+    mix(step.slot);
+    mix(step.after);
+  }
+  return h;
+}
 }  // namespace
 
 TEST_SUITE("topology") {
+  TEST_CASE("the ring's schedules are pinned: the same steps and message ids as before RingPhases") {
+    // Rank 1 of 2, 3 elements in pieces of 1, through a codec: segment 0 (two pieces) is its own.
+    const Schedule small = topology::Ring{.chunk_elements = 1}.schedule(Group::world(1, 2), 3, {.identity = false});
+    CHECK(listing(small) ==
+          "contributors 2; slots 1 1 1 1 1 1\n"
+          "recv [0,1) peer 0 message 0 slot 0\n"
+          "recv [1,2) peer 0 message 1 slot 1\n"
+          "recv [2,3) peer 0 message 2 slot 2\n"
+          "encode [2,3) slot 3\n"
+          "send [2,3) peer 0 message 0 slot 3\n"
+          "decode-add [0,1) slot 0 after 0\n"
+          "average [0,1)\n"
+          "encode [0,1) slot 4\n"
+          "decode-copy [0,1) slot 4\n"
+          "send [0,1) peer 0 message 2 slot 4\n"
+          "decode-add [1,2) slot 1 after 1\n"
+          "average [1,2)\n"
+          "encode [1,2) slot 5\n"
+          "decode-copy [1,2) slot 5\n"
+          "send [1,2) peer 0 message 3 slot 5\n"
+          "decode-copy [2,3) slot 2 after 2");
+    CHECK(small.slot_raw.empty());
+    // Every rank's schedule for many shapes, identity codec first: one fingerprint per (codec kind,
+    // world size), taken from the ring as it was written before the refactor.
+    const std::vector<std::uint64_t> pinned{
+        0xb01f9eacf186f80a, 0x96f6baa6e8cb82d7, 0xdf7bccbf865798c5, 0x9fd4798ef0d0e7e9,
+        0xed819b7173b1f34e, 0xfc871cfcd474c45c, 0x5c2136f079e17277, 0x2fe11cefa50ddb46,
+        0xced242f62d824f1d, 0xdd7c164fc4d5b3e6, 0xfbea58bb34411c50, 0xefda10a525cfcb30};
+    std::size_t next = 0;
+    for (bool identity : {true, false})
+      for (int n : {1, 2, 3, 4, 5, 8}) {
+        CAPTURE(identity);
+        CAPTURE(n);
+        std::uint64_t h = 14695981039346656037ull;
+        for (std::size_t elements : {0u, 1u, 7u, 100u, 1009u})
+          for (std::size_t chunk : {1u, 3u, 1u << 18})
+            for (int r = 0; r < n; ++r)
+              h = fingerprint(
+                  topology::Ring{.chunk_elements = chunk}.schedule(Group::world(r, n), elements, {.identity = identity}), h);
+        CHECK(h == pinned[next++]);
+      }
+  }
+
   TEST_CASE("every ring send meets exactly one receive of the same size") {
     for (int n : {1, 2, 3, 5, 8}) check_pairing(topology::Ring{.chunk_elements = 3}, n);
   }
