@@ -3,7 +3,8 @@
 //
 //   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
-//             [--topology ring|parameter-server] [--partitions P] [--chunk-bytes B] [--json PATH]
+//             [--topology ring|parameter-server|hierarchical] [--partitions P] [--ranks-per-machine L]
+//             [--chunk-bytes B] [--json PATH]
 //
 // in-process: N ranks as threads of this process. shm: one rank per process, all on one machine,
 // over shared memory (gradsync-run -n N). tcp: one rank per process, placed by the launcher's
@@ -15,14 +16,16 @@
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
 // 2(n-1)/n, what each rank moves through its link in a ring allreduce, so busbw compares across
 // world sizes and against the link's bandwidth. GB = 1e9 bytes. Every rank checks the result of
-// the first iteration of each size against the ring's arithmetic done by hand (with the codec's
+// the first iteration of each size against the topology's arithmetic done by hand (with the codec's
 // rounding at every hop); #wrong counts elements that differ. Sparsifying codecs (top-k,
 // random-k) keep some elements of a uniform run and not others, which a per-value replay cannot
 // follow: their #wrong shows "-".
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -56,6 +59,7 @@ struct Config {
   gradsync::toolkit::CodecSettings codec_settings;
   std::string topology = "ring";
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
+  int ranks_per_machine = 0;   // hierarchical: L; 0 until parsed, then LOCAL_WORLD_SIZE, else 1
   std::size_t chunk_bytes = std::size_t{1} << 20;
   std::string json;
 };
@@ -95,14 +99,61 @@ topology::ParameterServer parameter_server(const Config& cfg) {
   return {.partitions = cfg.partitions, .chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
 }
 
+topology::Hierarchical hierarchical(const Config& cfg) {
+  return {.ranks_per_machine = cfg.ranks_per_machine,
+          .chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
+}
+
+// The toolkit's topologies, and hierarchical, which only this benchmark runs so far.
+std::vector<std::string> topology_choices() {
+  std::vector<std::string> names = tk::topology_names;
+  names.push_back("hierarchical");
+  return names;
+}
+
+// --ranks-per-machine's default: LOCAL_WORLD_SIZE (set by torchrun, gradsync-run and netcluster), else 1.
+int local_world_size() {
+  const char* text = std::getenv("LOCAL_WORLD_SIZE");
+  if (!text) return 1;
+  int value = 0;
+  const auto [end, ec] = std::from_chars(text, text + std::strlen(text), value);
+  if (ec != std::errc{} || *end != '\0' || value < 1)
+    throw std::invalid_argument(fmt::format("LOCAL_WORLD_SIZE is '{}', not a positive integer", text));
+  return value;
+}
+
 // What every element must hold after the first allreduce when rank r contributes r + 1 everywhere:
 // on a ring each segment's partial sum passes through the codec once per hop, in the ring's order;
 // on a parameter server each part's root adds the others' values (each through the codec) to its
-// own, in group order.
+// own, in group order; hierarchically each machine sums its ranks' values as they are, in ring order
+// round the machine, and the machines' sums go round a ring through the codec (hierarchical.hpp).
 template <class Codec>
 std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg) {
   const auto through = [&](float v) { return compression::round_trip(codec, v); };
   std::vector<float> expected(count);
+  const auto fill = [&](ElemRange range, float value) {
+    std::fill(expected.begin() + static_cast<std::ptrdiff_t>(range.begin),
+              expected.begin() + static_cast<std::ptrdiff_t>(range.end), value);
+  };
+  if (cfg.topology == "hierarchical") {
+    const int per_machine = cfg.ranks_per_machine, machines = hierarchical(cfg).machines(Group::world(0, n));
+    for (int s = 0; s < per_machine; ++s) {
+      const auto machine_sum = [&](int m) {  // rank m*L + l contributes m*L + l + 1
+        float sum = static_cast<float>(m * per_machine + s + 1);
+        for (int k = 1; k < per_machine; ++k) sum = static_cast<float>(m * per_machine + (s + k) % per_machine + 1) + sum;
+        return sum;
+      };
+      const ElemRange shard = topology::Ring::segment(count, per_machine, s);
+      for (int t = 0; t < machines; ++t) {
+        float partial = machine_sum(t);
+        for (int k = 1; k < machines; ++k) partial = machine_sum((t + k) % machines) + (Codec::identity ? partial : through(partial));
+        const float average = partial / static_cast<float>(n);
+        const ElemRange segment = topology::Ring::segment(shard.size(), machines, t);
+        fill({shard.begin + segment.begin, shard.begin + segment.end}, Codec::identity ? average : through(average));
+      }
+    }
+    return expected;
+  }
   if (cfg.topology == "parameter-server") {
     const topology::ParameterServer ps = parameter_server(cfg);
     const std::size_t parts = ps.partitions ? ps.partitions : static_cast<std::size_t>(n);
@@ -194,13 +245,15 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const Group group = Group::world(transport.rank(), n);
   const topology::Ring ring{.chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
   const topology::ParameterServer ps = parameter_server(cfg);
+  const topology::Hierarchical hier = hierarchical(cfg);
   Coordination<X> coordination(transport);
   std::vector<Row> rows;
   std::uint64_t iteration = 0;
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
     const std::size_t count = bytes / sizeof(float);
-    engine::BucketExchange<Codec, X> exchange(cfg.topology == "ring" ? ring.schedule(group, count, codec_traits<Codec>())
-                                                                     : ps.schedule(group, count, codec_traits<Codec>()),
+    engine::BucketExchange<Codec, X> exchange(cfg.topology == "ring"           ? ring.schedule(group, count, codec_traits<Codec>())
+                                              : cfg.topology == "hierarchical" ? hier.schedule(group, count, codec_traits<Codec>())
+                                                                               : ps.schedule(group, count, codec_traits<Codec>()),
                                               codec, DType::f32);
     std::vector<float> values(count);
     const std::vector<float> expected = elementwise<Codec> ? expected_average(codec, n, count, cfg) : std::vector<float>{};
@@ -240,6 +293,7 @@ std::vector<Row> run(const Config& cfg, int& ranks, const Codec& codec) {
     return run_rank(tcp, cfg, codec);
   }
   ranks = cfg.ranks;
+  if (cfg.topology == "hierarchical") (void)hierarchical(cfg).machines(Group::world(0, ranks));  // here, not in a rank's thread
   auto world = transport::InProcess::create_world(cfg.ranks);
   std::vector<Row> rows;
   std::vector<std::thread> threads;
@@ -268,8 +322,11 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--iters", cfg.iters, "timed iterations of each size", {.low = 1});
   tk::add_number(app, "--warmup", cfg.warmup, "iterations before them, not timed", {.low = 1});
   tk::add_codec_options(app, cfg.codec, cfg.codec_settings);
-  tk::add_choice(app, "--topology", cfg.topology, "the schedule", tk::topology_names);
+  tk::add_choice(app, "--topology", cfg.topology, "the schedule", topology_choices());
   tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
+  tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
+                 "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",
+                 {.low = 1});
   tk::add_byte_size(app, "--chunk-bytes", cfg.chunk_bytes, "the topology's piece size", {.low = sizeof(float)});
   app.add_option("--json", cfg.json, "also write the rows as JSON to this file");
   app.footer("Sizes take K, M or G suffixes (binary). GB = 1e9 bytes.");
@@ -284,7 +341,11 @@ std::string transport_name(const Config& cfg) {
 
 void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {} (chunk {} B), codec {}\n", ranks,
-             transport_name(cfg), cfg.topology == "ring" ? "ring" : parameter_server(cfg).describe(), cfg.chunk_bytes, cfg.codec);
+             transport_name(cfg),
+             cfg.topology == "ring"           ? "ring"
+             : cfg.topology == "hierarchical" ? hierarchical(cfg).describe()
+                                              : parameter_server(cfg).describe(),
+             cfg.chunk_bytes, cfg.codec);
   fmt::print("# median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, one thread\n",
              cfg.iters, cfg.warmup);
   fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
@@ -314,6 +375,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"busbw_GBps", tk::rounded(algbw * bus_factor(ranks), 5)},
                     {"memcpy_us", tk::rounded(r.memcpy_us, 3)},
                     {"wrong", r.checked ? tk::Json(r.wrong) : tk::Json()}});
+    if (cfg.topology == "hierarchical") json.back()["ranks_per_machine"] = cfg.ranks_per_machine;
   }
   tk::write_json(cfg.json, json);
 }
@@ -327,6 +389,7 @@ int main(int argc, char** argv) try {
   declare_options(app, cfg);
   if (!tk::parse_options(app, argc, argv)) return 0;
   if (cfg.min_bytes > cfg.max_bytes) throw std::invalid_argument("--min-bytes must not exceed --max-bytes");
+  if (cfg.ranks_per_machine == 0) cfg.ranks_per_machine = cfg.topology == "hierarchical" ? local_world_size() : 1;
   int ranks = 0;
   const std::vector<Row> rows =
       tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) { return run(cfg, ranks, codec); });

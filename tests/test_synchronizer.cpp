@@ -302,6 +302,24 @@ TEST_SUITE("synchronizer") {
       }
   }
 
+  TEST_CASE("the hierarchical topology under a Synchronizer: exact averages, same bits everywhere, both executors") {
+    using Sync = Synchronizer<bucketing::FixedSize, compression::None, topology::Hierarchical, InProcess>;
+    const std::vector<std::pair<int, int>> shapes{{2, 2}, {2, 3}, {3, 2}, {1, 3}, {3, 1}};  // machines x ranks each
+    for (const auto& shape : shapes)
+      for (Executor executor : {Executor::serial, Executor::task_graph}) {
+        const int n = shape.first * shape.second;
+        CAPTURE(n);
+        CAPTURE(shape.second);
+        const auto outputs = results_of<Sync>(n, mixed, 2, {.executor = executor}, {},
+                                              {.ranks_per_machine = shape.second, .chunk_elements = 29});
+        for (std::size_t it = 0; it < outputs.size(); ++it) {
+          std::vector<Model> inputs(static_cast<std::size_t>(n), Model(mixed));
+          for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
+          check_averages(inputs, outputs[it], 0);
+        }
+      }
+  }
+
   TEST_CASE_TEMPLATE("the task graph gives every rank the serial executor's bits, for every topology and codec", C,
                      compression::None, compression::Fp16, compression::Bf16, compression::TwoBit, compression::OneBit,
                      compression::TernGrad<2>, compression::TopK, compression::RandomK,
@@ -335,6 +353,7 @@ TEST_SUITE("synchronizer") {
       compare(n, topology::ParameterServer{.partitions = 7, .chunk_elements = 23}, n);
       compare(n, topology::ParameterServer{.partitions = 3, .servers = 2}, n);
       compare(n, topology::ParameterServer{.partitions = 5, .servers = 1, .dedicated = true, .chunk_elements = 23}, n - 1);
+      compare(n, topology::Hierarchical{.ranks_per_machine = n % 2 == 0 ? 2 : n, .chunk_elements = 37}, n);
     }
   }
 
@@ -715,10 +734,13 @@ TEST_SUITE("synchronizer") {
     CHECK(late >= 1);
   }
 
-  TEST_CASE_TEMPLATE("the per-step path allocates nothing", Topology, topology::Ring, topology::ParameterServer) {
+  TEST_CASE_TEMPLATE("the per-step path allocates nothing", Topology, topology::Ring, topology::ParameterServer,
+                     topology::Hierarchical) {
     const std::vector<Spec> specs{{"w1", 3000, DType::f32}, {"b1", 30, DType::f32}, {"w2", 500, DType::f16},
                                   {"b2", 7, DType::bf16},   {"h", 40, DType::f64}};
     constexpr int n = 4;
+    Topology pieces_of_100{.chunk_elements = 100};
+    if constexpr (std::same_as<Topology, topology::Hierarchical>) pieces_of_100.ranks_per_machine = 2;  // 2 machines of 2
     for (bool coordinated : {false, true}) {
       CAPTURE(coordinated);
       std::barrier sync_point(n);
@@ -728,7 +750,7 @@ TEST_SUITE("synchronizer") {
         model.fill(t.rank(), 0);
         Synchronizer<bucketing::FixedSize, compression::Fp16, Topology, InProcess> sync(
             std::move(t), {.coordination = {.enabled = coordinated, .batch_bytes = 300}},
-            {.cap_bytes = 4096, .first_cap_bytes = 256}, {}, {.chunk_elements = 100});
+            {.cap_bytes = 4096, .first_cap_bytes = 256}, {}, pieces_of_100);
         for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
         const auto step = [&] {
           for (GradId id = static_cast<GradId>(specs.size()); id-- > 0;) sync.ready(id);

@@ -11,6 +11,8 @@
 #include <set>
 #include <tuple>
 
+#include <fmt/format.h>
+
 #include "gradsync/compression/bf16.hpp"
 #include "gradsync/compression/fp16.hpp"
 #include "gradsync/compression/none.hpp"
@@ -20,6 +22,7 @@
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/compression/error_feedback.hpp"
 #include "gradsync/compression/two_bit.hpp"
+#include "gradsync/topology/hierarchical.hpp"
 #include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/ring.hpp"
 #include "support.hpp"
@@ -74,6 +77,7 @@ void check_pairing(const Topology& topology, int n) {
           if (step.op == Step::Op::recv) CHECK(recvs.emplace(std::tuple{step.peer, r, step.message}, step.range.size()).second);
           if (step.slot != no_slot) CHECK(s.slot_elements[step.slot] == step.range.size());
         }
+        CHECK((s.slot_raw.empty() || s.slot_raw.size() == s.slot_elements.size()));
       }
       CHECK(sends == recvs);
       CHECK(sends.empty() == (n == 1 || elements == 0));
@@ -182,9 +186,261 @@ void check_dependencies(const Topology& topology, int n) {
       }
 }
 
+
+// The ring's schedules as they were before topology::detail::RingPhases was factored out of it,
+// pinned: a readable listing of a small one, and a fingerprint of many shapes.
+std::string listing(const Schedule& s) {
+  std::string out = fmt::format("contributors {}; slots", s.contributors);
+  for (std::size_t e : s.slot_elements) out += fmt::format(" {}", e);
+  for (const Step& step : s.steps) {
+    out += fmt::format("\n{} [{},{})", engine::name(step.op), step.range.begin, step.range.end);
+    if (engine::is_transfer(step.op)) out += fmt::format(" peer {} message {}", step.peer, step.message);
+    if (step.slot != no_slot) out += fmt::format(" slot {}", step.slot);
+    if (step.after != no_step) out += fmt::format(" after {}", step.after);
+  }
+  return out;
+}
+
+std::uint64_t fingerprint(const Schedule& s, std::uint64_t h = 14695981039346656037ull) {
+  const auto mix = [&](std::uint64_t v) {
+    for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ull;
+  };
+  mix(static_cast<std::uint64_t>(s.contributors));
+  mix(s.slot_elements.size());
+  for (std::size_t e : s.slot_elements) mix(e);
+  mix(s.steps.size());
+  for (const Step& step : s.steps) {
+    mix(static_cast<std::uint64_t>(step.op));
+    mix(static_cast<std::uint64_t>(static_cast<std::int64_t>(step.peer)));
+    mix(step.message);
+    mix(step.range.begin);
+    mix(step.range.end);
+    mix(step.slot);
+    mix(step.after);
+  }
+  return h;
+}
+
+// The hierarchical topology's arithmetic done by hand (hierarchical.hpp): shard s of L is summed
+// within each machine starting at local rank s and going round; segment t of M of the shard is
+// summed across machines starting at machine t and going round, each partial sum through the codec
+// (compression::round_trip) before the next machine adds its own; the owner divides by n, and
+// everyone gets the average after one more trip through the codec.
+template <class C>
+std::vector<float> hierarchical_reference(const C& codec, int per_machine, const std::vector<std::vector<float>>& inputs) {
+  const int n = static_cast<int>(inputs.size());
+  const int machines = n / per_machine;
+  const std::size_t elements = inputs[0].size();
+  const auto x = [&](int machine, int local, std::size_t e) {
+    return inputs[static_cast<std::size_t>(machine * per_machine + local)][e];
+  };
+  std::vector<float> out(elements);
+  for (int s = 0; s < per_machine; ++s) {
+    const ElemRange shard = topology::Ring::segment(elements, per_machine, s);
+    for (int t = 0; t < machines; ++t) {
+      const ElemRange seg = topology::Ring::segment(shard.size(), machines, t);
+      for (std::size_t e = shard.begin + seg.begin; e < shard.begin + seg.end; ++e) {
+        const auto machine_sum = [&](int m) {
+          float sum = x(m, s, e);
+          for (int k = 1; k < per_machine; ++k) sum = x(m, (s + k) % per_machine, e) + sum;
+          return sum;
+        };
+        float partial = machine_sum(t);
+        for (int k = 1; k < machines; ++k) {
+          const float arrived = C::identity ? partial : compression::round_trip(codec, partial);
+          partial = machine_sum((t + k) % machines) + arrived;
+        }
+        const float average = partial / static_cast<float>(n);
+        out[e] = C::identity ? average : compression::round_trip(codec, average);
+      }
+    }
+  }
+  return out;
+}
+
+// Runs `topology` on in-process ranks, `iterations` times over the same inputs; returns every
+// rank's values and the last iteration's exchange statistics.
+template <class C, class Topology>
+std::pair<std::vector<std::vector<float>>, std::vector<engine::ExchangeStats>> run_topology(
+    const C& codec, const Topology& topology, const std::vector<std::vector<float>>& inputs, int iterations = 1) {
+  const int n = static_cast<int>(inputs.size());
+  const std::size_t elements = inputs[0].size();
+  std::vector<std::vector<float>> outputs(static_cast<std::size_t>(n));
+  std::vector<engine::ExchangeStats> stats(static_cast<std::size_t>(n));
+  const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+    const Group group = Group::world(t.rank(), n);
+    const auto r = static_cast<std::size_t>(t.rank());
+    engine::BucketExchange<C, transport::InProcess> exchange(topology.schedule(group, elements, codec_traits<C>()),
+                                                             codec, DType::f32);
+    for (int iteration = 0; iteration < iterations; ++iteration) {
+      outputs[r] = inputs[r];
+      stats[r] = exchange.run(std::span<float>(outputs[r]), codec, t, {group, static_cast<std::uint64_t>(iteration), 0, 10s});
+    }
+  });
+  for (const auto& e : errors) REQUIRE_FALSE(e);
+  return {outputs, stats};
+}
+
+// Shapes (machines, ranks per machine) the hierarchical tests run.
+const std::vector<std::pair<int, int>> machine_shapes{{2, 2}, {2, 3}, {3, 2}, {1, 3}, {3, 1}};
+
 }  // namespace
 
 TEST_SUITE("topology") {
+  TEST_CASE("the ring's schedules are pinned: the same steps and message ids as before RingPhases") {
+    // Rank 1 of 2, 3 elements in pieces of 1, through a codec: segment 0 (two pieces) is its own.
+    const Schedule small = topology::Ring{.chunk_elements = 1}.schedule(Group::world(1, 2), 3, {.identity = false});
+    CHECK(listing(small) ==
+          "contributors 2; slots 1 1 1 1 1 1\n"
+          "recv [0,1) peer 0 message 0 slot 0\n"
+          "recv [1,2) peer 0 message 1 slot 1\n"
+          "recv [2,3) peer 0 message 2 slot 2\n"
+          "encode [2,3) slot 3\n"
+          "send [2,3) peer 0 message 0 slot 3\n"
+          "decode-add [0,1) slot 0 after 0\n"
+          "average [0,1)\n"
+          "encode [0,1) slot 4\n"
+          "decode-copy [0,1) slot 4\n"
+          "send [0,1) peer 0 message 2 slot 4\n"
+          "decode-add [1,2) slot 1 after 1\n"
+          "average [1,2)\n"
+          "encode [1,2) slot 5\n"
+          "decode-copy [1,2) slot 5\n"
+          "send [1,2) peer 0 message 3 slot 5\n"
+          "decode-copy [2,3) slot 2 after 2");
+    CHECK(small.slot_raw.empty());
+    // Every rank's schedule for many shapes, identity codec first: one fingerprint per (codec kind,
+    // world size), taken from the ring as it was written before the refactor.
+    const std::vector<std::uint64_t> pinned{
+        0xb01f9eacf186f80a, 0x96f6baa6e8cb82d7, 0xdf7bccbf865798c5, 0x9fd4798ef0d0e7e9,
+        0xed819b7173b1f34e, 0xfc871cfcd474c45c, 0x5c2136f079e17277, 0x2fe11cefa50ddb46,
+        0xced242f62d824f1d, 0xdd7c164fc4d5b3e6, 0xfbea58bb34411c50, 0xefda10a525cfcb30};
+    std::size_t next = 0;
+    for (bool identity : {true, false})
+      for (int n : {1, 2, 3, 4, 5, 8}) {
+        CAPTURE(identity);
+        CAPTURE(n);
+        std::uint64_t h = 14695981039346656037ull;
+        for (std::size_t elements : {0u, 1u, 7u, 100u, 1009u})
+          for (std::size_t chunk : {1u, 3u, 1u << 18})
+            for (int r = 0; r < n; ++r)
+              h = fingerprint(
+                  topology::Ring{.chunk_elements = chunk}.schedule(Group::world(r, n), elements, {.identity = identity}), h);
+        CHECK(h == pinned[next++]);
+      }
+  }
+
+  TEST_CASE("every hierarchical send meets exactly one receive of the same size") {
+    for (const auto& shape : std::vector<std::pair<int, int>>{{1, 4}, {4, 1}, {2, 2}, {2, 3}, {3, 2}, {1, 1}})
+      for (std::size_t chunk : {std::size_t{3}, std::size_t{1} << 18}) {
+        const int machines = shape.first, per_machine = shape.second;
+        CAPTURE(machines);
+        check_pairing(topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk},
+                      machines * per_machine);
+      }
+  }
+
+  TEST_CASE("the hierarchical schedule: raw hops within a machine, the codec across, Ring's with one rank per machine") {
+    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 5};
+    for (int rank = 0; rank < 6; ++rank) {
+      CAPTURE(rank);
+      const Group group = Group::world(rank, 6);
+      const Schedule s = two.schedule(group, 100, {.identity = false});
+      CHECK(s.contributors == 6);
+      REQUIRE(s.slot_raw.size() == s.slot_elements.size());
+      for (const Step& step : s.steps) {
+        if (!engine::is_transfer(step.op)) continue;
+        const bool same_machine = step.peer / 2 == rank / 2;
+        CHECK(same_machine != (step.peer % 2 == rank % 2));  // a peer on this machine, or this local rank elsewhere
+        if (same_machine) CHECK((step.slot == no_slot || s.raw(step.slot)));  // in place, or into a raw slot
+        else CHECK((step.slot != no_slot && !s.raw(step.slot)));              // encoded
+      }
+    }
+    // One rank per machine: the ring, step for step.
+    for (int n : {1, 2, 3, 5})
+      for (bool identity : {true, false})
+        for (int rank = 0; rank < n; ++rank) {
+          const Group group = Group::world(rank, n);
+          const topology::Hierarchical flat{.ranks_per_machine = 1, .chunk_elements = 3};
+          CHECK(listing(flat.schedule(group, 50, {.identity = identity})) ==
+                listing(topology::Ring{.chunk_elements = 3}.schedule(group, 50, {.identity = identity})));
+        }
+  }
+
+  TEST_CASE("a hierarchical group that is not whole machines is refused") {
+    for (const auto& bad : std::vector<std::tuple<int, int, std::string>>{
+             {2, 3, "a group of 3 ranks is not whole machines of 2 ranks each"},
+             {4, 6, "a group of 6 ranks is not whole machines of 4 ranks each"},
+             {0, 4, "ranks_per_machine is 0"},
+             {-1, 4, "ranks_per_machine is -1"}}) {
+      const auto& [per_machine, n, why] = bad;
+      CAPTURE(std::get<0>(bad));
+      try {
+        (void)topology::Hierarchical{.ranks_per_machine = per_machine}.schedule(Group::world(0, n), 10, {});
+        FAIL("accepted");
+      } catch (const Error& e) {
+        CHECK(e.kind() == ErrorKind::invalid_argument);
+        CHECK(std::string(e.what()).find(why) != std::string::npos);
+      }
+    }
+  }
+
+  TEST_CASE_TEMPLATE("hierarchical allreduce: every rank the same bits, equal to the reference in its summation order", C,
+                     compression::None, compression::Fp16, compression::Bf16) {
+    const C codec;
+    for (const auto& shape : machine_shapes)
+      for (std::size_t elements : {1u, 2u, 7u, 13u, 1009u})
+        for (std::size_t chunk : {std::size_t{4}, std::size_t{1} << 18}) {
+          const int machines = shape.first, per_machine = shape.second;
+          const int n = machines * per_machine;
+          CAPTURE(machines);
+          CAPTURE(per_machine);
+          CAPTURE(elements);
+          CAPTURE(chunk);
+          std::vector<std::vector<float>> inputs;
+          for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(elements, 300u * static_cast<unsigned>(r) + elements));
+          const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk};
+          const auto outputs = run_topology(codec, hierarchical, inputs, 2).first;
+          const auto reference = hierarchical_reference(codec, per_machine, inputs);
+          for (int r = 0; r < n; ++r) {
+            CAPTURE(r);
+            REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);
+          }
+          if constexpr (C::identity)
+            for (std::size_t e = 0; e < elements; ++e) {
+              double exact = 0, scale = 0;
+              for (const auto& in : inputs) {
+                exact += in[e];
+                scale += std::fabs(in[e]);
+              }
+              REQUIRE(std::fabs(reference[e] - exact / n) <= 1e-6 * scale / n);
+            }
+        }
+  }
+
+  TEST_CASE("hierarchical with error feedback: the same bits everywhere, compressed across machines only") {
+    using C = compression::ErrorFeedback<compression::TwoBit>;
+    const C codec{{.threshold = 0.25f}};
+    for (const auto& shape : machine_shapes) {
+      const int machines = shape.first, per_machine = shape.second;
+      const int n = machines * per_machine;
+      CAPTURE(machines);
+      CAPTURE(per_machine);
+      std::vector<std::vector<float>> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(301, 11u * static_cast<unsigned>(r)));
+      const auto [outputs, stats] =
+          run_topology(codec, topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = 16}, inputs, 3);
+      for (int r = 0; r < n; ++r) {
+        CAPTURE(r);
+        REQUIRE(outputs[static_cast<std::size_t>(r)] == outputs[0]);
+        const auto& st = stats[static_cast<std::size_t>(r)];
+        // Within a machine values travel as they are; across machines two-bit packs 16 to a word.
+        if (machines == 1) CHECK(st.bytes_sent == st.bytes_uncompressed);
+        else CHECK(st.bytes_sent < st.bytes_uncompressed);
+      }
+    }
+  }
+
   TEST_CASE("every ring send meets exactly one receive of the same size") {
     for (int n : {1, 2, 3, 5, 8}) check_pairing(topology::Ring{.chunk_elements = 3}, n);
   }
@@ -194,8 +450,13 @@ TEST_SUITE("topology") {
       check_dependencies(topology::Ring{.chunk_elements = 7}, n);
       check_dependencies(topology::ParameterServer{.partitions = 7, .chunk_elements = 5}, n);
       check_dependencies(topology::ParameterServer{.partitions = 2, .servers = 1}, n);
+      check_dependencies(topology::Hierarchical{.ranks_per_machine = 1, .chunk_elements = 7}, n);
+      check_dependencies(topology::Hierarchical{.ranks_per_machine = n, .chunk_elements = 4}, n);
       if (n > 1) check_dependencies(topology::ParameterServer{.partitions = 3, .servers = 1, .dedicated = true}, n);
     }
+    check_dependencies(topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 4}, 4);
+    check_dependencies(topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 3}, 6);
+    check_dependencies(topology::Hierarchical{.ranks_per_machine = 3, .chunk_elements = 5}, 6);
   }
 
   TEST_CASE("a bucket left uncompressed by selective compression is exact, whatever the codec") {

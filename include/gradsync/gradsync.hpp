@@ -16,6 +16,7 @@
 #include "gradsync/compression/two_bit.hpp"
 #include "gradsync/launch/environment.hpp"
 #include "gradsync/synchronizer.hpp"
+#include "gradsync/topology/hierarchical.hpp"
 #include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/ring.hpp"
 #include "gradsync/transport/borrowed.hpp"

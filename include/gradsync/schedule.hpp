@@ -51,9 +51,9 @@ struct Step {
   enum class Op : std::uint8_t {
     send,         // post a send of `slot` (or of `range` in place) to `peer`
     recv,         // post a receive from `peer` into `slot` (or into `range` in place)
-    encode,       // encode `range` into `slot`
-    decode_add,   // range += decode(slot)
-    decode_copy,  // range = decode(slot)
+    encode,       // encode `range` into `slot` (a raw slot: copy it there)
+    decode_add,   // range += decode(slot) (a raw slot: range += its values)
+    decode_copy,  // range = decode(slot) (a raw slot: range = its values)
     average,      // range /= Schedule::contributors
   };
   Op op = Op::send;
@@ -73,10 +73,22 @@ struct PipelineShape {
   std::size_t segment_elements = 0;  // the largest segment
 };
 
+// Raw slots. A slot normally holds the codec's encoding of its range. A slot marked in `slot_raw`
+// holds the range's plain values in the accumulation dtype instead, whatever the codec: it is sized
+// elements * sizeof(dtype), encode copies the values in, decode_add and decode_copy add or copy
+// them out, and the codec never sees it. A topology uses raw slots for hops that should not be
+// compressed inside a compressed bucket (topology::Hierarchical's transfers within a machine); it
+// sends such values in place, so only receives land in raw slots. `slot_raw` is empty (no raw
+// slot, as Ring and ParameterServer leave it) or has one entry per slot. The executors read it
+// through BucketExchange, the one place a slot's bytes are interpreted; the dependency graph does
+// not care what a slot holds.
 struct Schedule {
   std::vector<Step> steps{};
   std::vector<std::size_t> slot_elements{};  // elements whose encoding each slot must hold
+  std::vector<bool> slot_raw{};  // empty, or per slot: holds plain values, not an encoding (above)
   int contributors = 0;  // ranks whose values the average covers: the group, less any dedicated servers
+
+  bool raw(std::uint32_t slot) const noexcept { return slot < slot_raw.size() && slot_raw[slot]; }
 };
 
 }  // namespace gradsync

@@ -12,6 +12,10 @@
 // run() is the serial executor, kept as the naive baseline: the calling thread walks the list in
 // order, performing encode, decode and averaging inline; a step waits for the transfer it depends
 // on, and transfers proceed on the transport's own threads meanwhile.
+//
+// A slot holds plain values instead of an encoding when the schedule marks it raw (Schedule::
+// slot_raw), or when the whole exchange is raw; compute() is where that is decided, so both
+// executors (run() and the task graph, which calls compute() too) treat raw slots alike.
 
 #include <algorithm>
 #include <chrono>
@@ -89,7 +93,8 @@ class BucketExchange {
  public:
   BucketExchange() = default;
   // `raw`: the schedule was built for the identity (selective compression left this bucket
-  // uncompressed), so received slots hold plain values whatever the codec.
+  // uncompressed), so every slot holds plain values whatever the codec, as if all were marked in
+  // Schedule::slot_raw.
   BucketExchange(Schedule schedule, const C& codec, DType dtype, bool raw = false)
       : schedule_(std::move(schedule)),
         raw_(raw),
@@ -98,11 +103,17 @@ class BucketExchange {
         slot_bytes_(schedule_.slot_elements.size()),
         requests_(schedule_.steps.size()),
         completed_(schedule_.steps.size()) {
+    if (!schedule_.slot_raw.empty() && schedule_.slot_raw.size() != schedule_.slot_elements.size())
+      throw Error(ErrorKind::invalid_argument, {.operation = "schedule"},
+                  fmt::format("the topology's schedule marks {} slots raw or not, but has {} slots: "
+                              "Schedule::slot_raw must be empty or have one entry per slot",
+                              schedule_.slot_raw.size(), schedule_.slot_elements.size()));
     std::size_t total = 0;
     for (std::size_t s = 0; s < slot_offset_.size(); ++s) {
       slot_offset_[s] = total;
-      slot_capacity_[s] = raw_ ? schedule_.slot_elements[s] * size_of(dtype)
-                               : codec.max_encoded_bytes(schedule_.slot_elements[s], dtype);
+      const std::size_t elements = schedule_.slot_elements[s];
+      slot_capacity_[s] = raw_slot(static_cast<std::uint32_t>(s)) ? elements * size_of(dtype)
+                                                                  : codec.max_encoded_bytes(elements, dtype);
       total += detail::align_up(slot_capacity_[s]);
     }
     scratch_ = detail::AlignedBuffer(total);
@@ -114,7 +125,7 @@ class BucketExchange {
                                 schedule_.contributors));
     states_.reserve(schedule_.steps.size());
     for (const Step& step : schedule_.steps)
-      states_.push_back(codec.make_state(step.op == Step::Op::encode ? step.range.size() : 0, dtype));
+      states_.push_back(codec.make_state(step.op == Step::Op::encode && !raw_slot(step.slot) ? step.range.size() : 0, dtype));
   }
 
   const Schedule& schedule() const noexcept { return schedule_; }
@@ -158,8 +169,15 @@ class BucketExchange {
                   fmt::format("codec {} has no {} path", codec.describe(), to_string(dtype_of<T>())));
     } else {
       const auto range = values.subspan(step.range.begin, step.range.size());
-      if (raw_ && (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy))
-        return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
+      if (step.slot != no_slot && raw_slot(step.slot)) {
+        if (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy)
+          return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
+        if (step.op == Step::Op::encode) {
+          if (!range.empty()) std::memcpy(capacity(step.slot).data(), range.data(), range.size_bytes());
+          slot_bytes_[step.slot] = range.size_bytes();
+          return;
+        }
+      }
       switch (step.op) {
         case Step::Op::encode:
           slot_bytes_[step.slot] = codec.encode(std::span<const T>(range), states_[index], capacity(step.slot));
@@ -234,6 +252,8 @@ class BucketExchange {
   std::span<const std::byte> encoded(std::uint32_t slot) const {
     return {scratch_.data() + slot_offset_[slot], slot_bytes_[slot]};
   }
+  // True when `slot` holds plain values in the accumulation dtype, not the codec's encoding.
+  bool raw_slot(std::uint32_t slot) const noexcept { return raw_ || schedule_.raw(slot); }
 
   // A raw slot's values into `range`: added, or copied.
   template <class T>
