@@ -104,13 +104,6 @@ topology::Hierarchical hierarchical(const Config& cfg) {
           .chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
 }
 
-// The toolkit's topologies, and hierarchical, which only this benchmark runs so far.
-std::vector<std::string> topology_choices() {
-  std::vector<std::string> names = tk::topology_names;
-  names.push_back("hierarchical");
-  return names;
-}
-
 // --ranks-per-machine's default: LOCAL_WORLD_SIZE (set by torchrun, gradsync-run and netcluster), else 1.
 int local_world_size() {
   const char* text = std::getenv("LOCAL_WORLD_SIZE");
@@ -322,7 +315,7 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--iters", cfg.iters, "timed iterations of each size", {.low = 1});
   tk::add_number(app, "--warmup", cfg.warmup, "iterations before them, not timed", {.low = 1});
   tk::add_codec_options(app, cfg.codec, cfg.codec_settings);
-  tk::add_choice(app, "--topology", cfg.topology, "the schedule", topology_choices());
+  tk::add_choice(app, "--topology", cfg.topology, "the schedule", tk::topology_names);
   tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
   tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
                  "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",

@@ -4,7 +4,7 @@
 // communication left exposed after backward, and the number of buckets.
 //
 //   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
-//          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server] [--partitions P]
+//          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server|hierarchical] [--partitions P]
 //          [--servers S] [--dedicated] [--chunk-mib M]
 //          [--executor task-graph|serial] [--compute-threads N] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
@@ -326,6 +326,10 @@ int main(int argc, char** argv) try {
                                                  .servers = cfg.servers,
                                                  .dedicated = cfg.dedicated,
                                                  .chunk_elements = chunk});
+      if (cfg.topology == "hierarchical") {
+        const gs::topology::Hierarchical hierarchical{.ranks_per_machine = transport.local_size(), .chunk_elements = chunk};
+        return run(cfg, trace, std::move(transport), policy, codec, hierarchical);
+      }
       return run(cfg, trace, std::move(transport), policy, codec, gs::topology::Ring{.chunk_elements = chunk});
     });
   });

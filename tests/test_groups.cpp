@@ -115,6 +115,44 @@ TEST_SUITE("groups") {
     CHECK(contains(unanswered[3]->what(), "ranks 0, 1, 2 did not answer"));
   }
 
+  TEST_CASE("hierarchical over two machines of processes (shared memory within, TCP across): the exact average") {
+    // Whole-number inputs keep every partial sum exact, so any summation order gives the bits of
+    // the reference sum; the division by n rounds the same way everywhere.
+    for (const auto& [machines, local] : {std::pair{2, 2}, std::pair{2, 3}}) {
+      CAPTURE(machines);
+      CAPTURE(local);
+      const int n = machines * local;
+      const std::uint16_t port = test::free_port();
+      const std::string job = fmt::format("groups-hier-{}-{}", ::getpid(), std::random_device{}());
+      const std::size_t count = 50003;
+      const auto input = [](int r, std::size_t e) { return static_cast<float>((static_cast<std::size_t>(r) * 13 + e) % 97); };
+      const auto results = test::run_processes(n, [&](int rank) -> std::string {
+        transport::SharedMemoryOptions shm{.local_rank = rank % local, .local_size = local,
+                                           .first_rank = rank - rank % local, .job = job, .token = "t",
+                                           .setup_timeout = 20s};
+        transport::TcpOptions tcp{.rank = rank, .world_size = n, .master_port = port, .token = "t",
+                                  .setup_timeout = 20s};
+        using World = transport::Routed<transport::SharedMemory, transport::Tcp>;
+        Synchronizer<bucketing::PerTensor, compression::None, topology::Hierarchical, World> sync(
+            World(transport::SharedMemory(shm), transport::Tcp(tcp)), {.timeout = 20s}, {}, {},
+            {.ranks_per_machine = local, .chunk_elements = 4096});
+        std::vector<float> g(count);
+        for (std::size_t e = 0; e < count; ++e) g[e] = input(rank, e);
+        sync.add("g", view(g));
+        sync.ready(0);
+        sync.wait();
+        for (std::size_t e = 0; e < count; ++e) {
+          float sum = 0;
+          for (int r = 0; r < n; ++r) sum += input(r, e);
+          if (g[e] != sum / static_cast<float>(n))
+            return fmt::format("element {} is {}, the reference {}", e, g[e], sum / static_cast<float>(n));
+        }
+        return "ok";
+      });
+      for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+    }
+  }
+
   TEST_CASE("one world over shared memory within each machine and TCP across: Ring gives the same bits everywhere") {
     // 2 "machines" of 2 processes: each machine's pair shares a segment of its own.
     constexpr int machines = 2, local = 2, n = machines * local;

@@ -102,9 +102,12 @@ void allreduce_everywhere_identical(const char* codec_name, Codec codec, Topolog
     CAPTURE(n);
     CAPTURE(codec_name);
     const std::string job = fresh_job();
+    Topology shaped = topology;
+    // Hierarchical: machines of two ranks emulated within this one where n is even, else one machine.
+    if constexpr (std::is_same_v<Topology, topology::Hierarchical>) shaped.ranks_per_machine = n % 2 == 0 ? 2 : n;
     const auto results = test::run_processes(n, [&](int rank) -> std::string {
       Synchronizer<bucketing::PerTensor, Codec, Topology, SharedMemory> sync(SharedMemory(options(rank, n, job)),
-                                                                              {.timeout = 30s}, {}, codec, topology);
+                                                                              {.timeout = 30s}, {}, codec, shaped);
       return run_iterations(sync, rank, n, sizes, tolerance);
     });
     check_identical(results);
@@ -181,6 +184,12 @@ TEST_SUITE("shared_memory") {
                                    topology::ParameterServer{.partitions = 5, .chunk_elements = 4096}, 1e-5f);
     allreduce_everywhere_identical("fp16", compression::Fp16{},
                                    topology::ParameterServer{.partitions = 5, .chunk_elements = 4096}, -1);
+  }
+
+  TEST_CASE("hierarchical over shared memory: every rank the same bits, 2-6 processes") {
+    allreduce_everywhere_identical("none", compression::None{}, topology::Hierarchical{.chunk_elements = 4096}, 1e-5f);
+    allreduce_everywhere_identical("ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{},
+                                   topology::Hierarchical{.chunk_elements = 4096}, -1);
   }
 
   TEST_CASE("a killed local rank makes the others fail fast, naming it; the segment is gone") {

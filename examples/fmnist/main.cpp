@@ -3,7 +3,7 @@
 //   gradsync-run -n 4 fmnist [--epochs E] [--batch B] [--lr R] [--momentum M]
 //                            [--bucketing fixed-size|per-tensor|time-clustered] [--codec NAME] [--threshold T]
 //                            [--keep F] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]
-//                            [--topology ring|parameter-server] [--servers S] [--dedicated]
+//                            [--topology ring|parameter-server|hierarchical] [--servers S] [--dedicated]
 //
 // One process per rank over TCP, placed by the launcher's variables; run without a launcher it
 // trains alone. Rank 0 prints progress, the test accuracy and the communication figures. With
@@ -164,6 +164,10 @@ int with_codec(const Options& o) {
     if (o.topology == "parameter-server")
       return run<Bucketing>(o, std::move(transport), codec,
                             gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated});
+    if (o.topology == "hierarchical") {
+      const gs::topology::Hierarchical hierarchical{.ranks_per_machine = transport.local_size()};
+      return run<Bucketing>(o, std::move(transport), codec, hierarchical);
+    }
     return run<Bucketing>(o, std::move(transport), codec, gs::topology::Ring{});
   });
 }
