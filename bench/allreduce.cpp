@@ -1,7 +1,7 @@
 // bench/allreduce — nccl-tests style: time one allreduce of each size (the topology's schedule,
 // run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
-//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--ranks N] [--min-bytes B] [--max-bytes B]
+//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server|hierarchical] [--partitions P] [--ranks-per-machine L]
 //             [--chunk-bytes B] [--json PATH]
@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <optional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -49,6 +50,7 @@ using Clock = std::chrono::steady_clock;
 struct Config {
   std::string transport = "in-process";
   std::string local_transport = "shm";
+  std::string executor = "serial";
   int ranks = 4;
   std::size_t min_bytes = 1024;
   std::size_t max_bytes = std::size_t{256} << 20;
@@ -240,6 +242,12 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const topology::ParameterServer ps = parameter_server(cfg);
   const topology::Hierarchical hier = hierarchical(cfg);
   Coordination<X> coordination(transport);
+  // The task graph runs a schedule's steps as their data allows (pieces of one phase overlap the
+  // next); the serial executor in list order.
+  std::optional<engine::TaskGraph<Codec, X>> graph;
+  if (cfg.executor == "task-graph")
+    graph.emplace(transport, codec, group, 1, std::chrono::minutes(2),
+                  typename engine::TaskGraph<Codec, X>::Hooks{.bucket_done = [](std::uint32_t) {}});
   std::vector<Row> rows;
   std::uint64_t iteration = 0;
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
@@ -252,11 +260,18 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     const std::vector<float> expected = elementwise<Codec> ? expected_average(codec, n, count, cfg) : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;
+    engine::BucketExchange<Codec, X>* const installed[] = {&exchange};
+    if (graph) graph->install(installed);
     for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
       std::fill(values.begin(), values.end(), static_cast<float>(transport.rank() + 1));
       coordination.barrier();
       const auto start = Clock::now();
-      exchange.run(std::span<float>(values), codec, transport, {group, iteration++, 0, std::chrono::minutes(2)});
+      if (graph) {
+        graph->start(0, std::span<float>(values), iteration++);
+        graph->finish();
+      } else {
+        exchange.run(std::span<float>(values), codec, transport, {group, iteration++, 0, std::chrono::minutes(2)});
+      }
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
       if (i >= cfg.warmup) times.push_back(us);
       if (i == 0 && elementwise<Codec>)
@@ -305,6 +320,10 @@ void declare_options(CLI::App& app, Config& cfg) {
                  "machine (shared memory); tcp: one rank per process, placed by the launcher's variables (--ranks "
                  "is ignored)",
                  {"in-process", "shm", "tcp"});
+  tk::add_choice(app, "--executor", cfg.executor,
+                 "serial: one thread walks the schedule in list order; task-graph: the Synchronizer's default "
+                 "engine, steps run as their data allows",
+                 {"serial", "task-graph"});
   tk::add_choice(app, "--local-transport", cfg.local_transport,
                  "with tcp and several ranks per machine (LOCAL_WORLD_SIZE > 1): how ranks of one machine talk",
                  {"shm", "tcp"});
@@ -339,8 +358,9 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
              : cfg.topology == "hierarchical" ? hierarchical(cfg).describe()
                                               : parameter_server(cfg).describe(),
              cfg.chunk_bytes, cfg.codec);
-  fmt::print("# median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, one thread\n",
-             cfg.iters, cfg.warmup);
+  fmt::print("# {} executor; median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, "
+             "one thread\n",
+             cfg.executor, cfg.iters, cfg.warmup);
   fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
              "algbw", "busbw", "memcpy", "time/cpy", "#wrong");
   fmt::print("# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "(B)", "(elements)", "", "(us)",
@@ -363,6 +383,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"topology", cfg.topology},
                     {"codec", cfg.codec},
                     {"transport", transport_name(cfg)},
+                    {"executor", cfg.executor},
                     {"time_us", tk::rounded(r.time_us, 3)},
                     {"algbw_GBps", tk::rounded(algbw, 5)},
                     {"busbw_GBps", tk::rounded(algbw * bus_factor(ranks), 5)},
