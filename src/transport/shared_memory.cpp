@@ -3,8 +3,9 @@
 // rank's own completion thread.
 //
 // Locks: a rank's mailbox mutex guards the queues of messages addressed to it and every copy into
-// it, so a request found queued there under that lock has not been copied yet and can be taken
-// back safely; a rank's done mutex guards its completion list and is only ever taken after a
+// it made while matching, so a request found queued there under that lock has not been copied yet
+// and can be taken back safely (a copy handed over to the other side's completion thread runs
+// after both halves have left the queues, so neither can be taken back meanwhile); a rank's done mutex guards its completion list and is only ever taken after a
 // mailbox mutex, never before. Within this process, pool_mutex_ guards the record pool.
 
 #include "gradsync/transport/shared_memory.hpp"
@@ -13,7 +14,12 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <cctype>
+#include <atomic>
 #include <cerrno>
+#include <limits>
+#include <new>
+#include <string_view>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -21,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include <boost/interprocess/managed_external_buffer.hpp>
 #include <boost/interprocess/sync/scoped_lock.hpp>
 #include <fmt/format.h>
 
@@ -43,10 +50,75 @@ constexpr auto lock_patience = std::chrono::seconds(10);
 // How often an idle completion thread looks whether its peers are still running.
 constexpr auto liveness_period = std::chrono::milliseconds(50);
 
+// This rank's arena (segment.hpp): Boost.Interprocess's best-fit allocator manages a prefix of it
+// that grows as allocations need more. The prefix's pages are claimed (Segment::reserve) before
+// the allocator may touch them, so neither its bookkeeping nor a block can meet a missing page;
+// when claiming fails, or the arena is full, blocks come from ordinary memory instead. Pages once
+// claimed stay with the job until it ends (the segment is freed with its last process).
+class Arena {
+ public:
+  static constexpr std::size_t alignment = 64;
+
+  Arena(const shm::Segment& segment, int local_rank)
+      : segment_(segment), region_(segment.arena(local_rank)), at_(static_cast<std::size_t>(region_.data() - segment.base())) {
+    const std::size_t first = std::min(first_claim, region_.size());
+    if (first < ipc::managed_external_buffer::segment_manager::get_min_size() || !segment_.reserve(at_, first)) return;
+    manager_.emplace(ipc::create_only, region_.data(), first);
+    managed_ = first;
+  }
+
+  std::span<std::byte> allocate(std::size_t bytes) {
+    if (bytes == 0) return {};
+    {
+      std::lock_guard lock(mutex_);
+      if (void* p = from_arena(bytes)) return {static_cast<std::byte*>(p), bytes};
+    }
+    return {static_cast<std::byte*>(::operator new(bytes, std::align_val_t{alignment})), bytes};
+  }
+
+  void deallocate(std::span<std::byte> block) noexcept {
+    if (block.data() == nullptr) return;
+    if (block.data() >= region_.data() && block.data() < region_.data() + region_.size()) {
+      std::lock_guard lock(mutex_);
+      manager_->get_segment_manager()->deallocate(block.data());
+    } else {
+      ::operator delete(block.data(), std::align_val_t{alignment});
+    }
+  }
+
+ private:
+  // Claims at least this much more at a time, so that many small blocks grow it rarely.
+  static constexpr std::size_t first_claim = std::size_t{64} << 10;
+  static constexpr std::size_t least_growth = std::size_t{1} << 20;
+
+  void* from_arena(std::size_t bytes) {
+    if (!manager_) return nullptr;
+    auto* manager = manager_->get_segment_manager();
+    if (void* p = manager->allocate_aligned(bytes, alignment, std::nothrow)) return p;
+    // Grow the managed prefix by the block, its alignment and the allocator's headers; the new
+    // space joins the free block at the end, if there is one.
+    const std::size_t room = region_.size() - managed_;
+    if (bytes > room) return nullptr;
+    std::size_t extra = std::min(room, std::max(least_growth, (bytes + alignment + shm::page_bytes + shm::page_bytes - 1) /
+                                                                  shm::page_bytes * shm::page_bytes));
+    if (!segment_.reserve(at_ + managed_, extra)) return nullptr;
+    manager_->grow(extra);
+    managed_ += extra;
+    return manager->allocate_aligned(bytes, alignment, std::nothrow);
+  }
+
+  const shm::Segment& segment_;
+  const std::span<std::byte> region_;
+  const std::size_t at_;  // the region's offset in the segment
+  std::mutex mutex_;
+  std::optional<ipc::managed_external_buffer> manager_;
+  std::size_t managed_ = 0;  // the prefix of region_ the allocator manages, all of it claimed
+};
+
 class SharedMemoryEngine {
  public:
   explicit SharedMemoryEngine(const SharedMemoryOptions& o)
-      : options_(o), segment_(o), rank_(o.local_rank), size_(o.local_size) {
+      : options_(o), segment_(o), arena_(segment_, o.local_rank), rank_(o.local_rank), size_(o.local_size) {
     free_.reserve(segment_.capacity());
     for (std::uint32_t i = segment_.capacity(); i-- > 0;) free_.push_back(i);
     owners_.assign(segment_.capacity(), nullptr);
@@ -90,8 +162,10 @@ class SharedMemoryEngine {
     mine.outcome = Record::Outcome::pending;
     mine.tag = tag;
     mine.address = reinterpret_cast<std::uint64_t>(is_send ? source : destination);
+    mine.shared_offset = segment_.offset_of(is_send ? source : destination, bytes);
     mine.size = bytes;
     mine.transferred = mine.other_size = 0;
+    mine.partner = no_record;
     mine.copy_errno = 0;
     r.start(is_send, peer, tag, source, destination, bytes);
     r.record_ = index;
@@ -101,6 +175,7 @@ class SharedMemoryEngine {
     const int box_rank = is_send ? peer : rank_;
     shm::RankArea& box = segment_.rank(box_rank);
     std::optional<std::uint32_t> other;
+    bool handed_over = false;
     {
       auto lock = lock_mailbox(box_rank, peer, operation);
       // Checked under the mailbox lock: a failure scan that ran before we took it sees our record
@@ -119,10 +194,10 @@ class SharedMemoryEngine {
       if (!other)
         append(is_send ? box.sends : box.receives, handle);
       else
-        transfer(is_send ? handle : *other, is_send ? *other : handle);
+        handed_over = !transfer(is_send ? handle : *other, is_send ? *other : handle);
     }
     if (other) {
-      post_done(rank_, handle);
+      if (!handed_over) post_done(rank_, handle);  // else the copier reports ours when it has copied
       post_done(peer, *other);
     }
   }
@@ -159,6 +234,12 @@ class SharedMemoryEngine {
     }
     if (r.state_.load(std::memory_order_acquire) == Request::State::failed) throw *r.error_;
     return r.transferred_;
+  }
+
+  std::span<std::byte> allocate(std::size_t bytes) { return arena_.allocate(bytes); }
+  void deallocate(std::span<std::byte> block) noexcept { arena_.deallocate(block); }
+  bool shared(std::span<const std::byte> bytes) const noexcept {
+    return segment_.offset_of(bytes.data(), bytes.size()) != shm::not_shared;
   }
 
   void abort(const Error& cause) {
@@ -237,23 +318,43 @@ class SharedMemoryEngine {
 
   // ---- matching and copying (caller holds the receiver's mailbox lock) ----
 
-  // Copies the send's bytes into the receive, from whichever process we are: the sender writes
-  // into the receiver, the receiver reads from the sender, a rank talking to itself copies.
-  void transfer(std::uint32_t send_handle, std::uint32_t receive_handle) {
+  // Where this process sees a record's buffer: its own, or one in the segment; null otherwise.
+  std::byte* visible(const Record& r) const {
+    if (r.owner == rank_) return reinterpret_cast<std::byte*>(r.address);
+    if (r.shared_offset != shm::not_shared) return segment_.base() + r.shared_offset;
+    return nullptr;
+  }
+
+  static std::atomic_ref<Record::Outcome> outcome(Record& r) { return std::atomic_ref<Record::Outcome>(r.outcome); }
+
+  // Copies the send's bytes into the receive, from whichever process we are: with memcpy when we
+  // can address both buffers (ours, or in the segment). When we cannot but the other side can
+  // (ours lies in the segment, its own is private), the copy is handed over to the other side's
+  // completion thread and false returned: the caller then reports only the other half, which
+  // that thread copies and reports back. Otherwise by cross-memory attach (the sender writes
+  // into the receiver, the receiver reads from the sender).
+  bool transfer(std::uint32_t send_handle, std::uint32_t receive_handle) {
     Record& send = segment_.record(send_handle);
     Record& receive = segment_.record(receive_handle);
+    send.partner = receive_handle;
+    receive.partner = send_handle;
     if (send.size > receive.size) {
       send.other_size = receive.size;
       receive.other_size = send.size;
       send.outcome = receive.outcome = Record::Outcome::too_long;
-      return;
+      return true;
     }
     int error = 0;
     if (send.size != 0) {
       const bool we_send = send.owner == rank_;
-      const bool we_receive = receive.owner == rank_;
-      if (we_send && we_receive) {
-        std::memcpy(reinterpret_cast<void*>(receive.address), reinterpret_cast<const void*>(send.address), send.size);
+      std::byte* from = visible(send);
+      std::byte* to = visible(receive);
+      if (from && to) {
+        std::memcpy(to, from, send.size);
+      } else if ((we_send ? send : receive).shared_offset != shm::not_shared) {
+        outcome(we_send ? send : receive).store(Record::Outcome::handed_over, std::memory_order_relaxed);
+        (we_send ? receive : send).outcome = Record::Outcome::copy_here;
+        return false;  // published to the other side by post_done's lock
       } else {
         const pid_t other = segment_.rank(we_send ? receive.owner : send.owner).process.pid;
         std::size_t moved = 0;
@@ -275,6 +376,29 @@ class SharedMemoryEngine {
     send.copy_errno = receive.copy_errno = error;
     send.outcome = receive.outcome = error ? Record::Outcome::copy_failed : Record::Outcome::done;
     send.transferred = receive.transferred = error ? 0 : send.size;
+    return true;
+  }
+
+  // A copy handed over to us (transfer()): our record `handle` and its partner, which lies in the
+  // segment. Claims the partner first: its owner may have failed it meanwhile (we were slow to
+  // answer and it saw the job fail), and then its buffer is no longer ours to touch.
+  void copy_handed_over(std::uint32_t handle) {
+    Record& mine = segment_.record(handle);
+    Record& theirs = segment_.record(mine.partner);
+    const std::uint32_t partner = mine.partner;
+    auto expected = Record::Outcome::handed_over;
+    if (!outcome(theirs).compare_exchange_strong(expected, Record::Outcome::claimed, std::memory_order_acquire)) {
+      mine.outcome = Record::Outcome::copy_failed;
+      mine.copy_errno = ECANCELED;
+      return;
+    }
+    Record& send = mine.is_send ? mine : theirs;
+    Record& receive = mine.is_send ? theirs : mine;
+    std::memcpy(visible(receive), visible(send), send.size);
+    mine.transferred = theirs.transferred = send.size;
+    mine.outcome = Record::Outcome::done;
+    outcome(theirs).store(Record::Outcome::done, std::memory_order_release);
+    post_done(theirs.owner, partner);
   }
 
   void post_done(int owner, std::uint32_t handle) {
@@ -378,10 +502,26 @@ class SharedMemoryEngine {
       auto failure = failure_for(r->peer_, r->is_send_ ? "send" : "recv");
       if (!failure || r->record_ != index || r->state_.load(std::memory_order_acquire) != Request::State::pending)
         continue;
-      if (!withdraw(*r)) continue;  // matched: its completion is already on its way
+      if (!withdraw(*r)) {
+        // Matched: its completion is on its way, unless its copy was handed over to a peer that
+        // has gone without making it (or never started it).
+        if (!take_back_handed_over(index, r->peer_)) continue;
+        give_back(index);
+      }
       r->error_ = std::move(*failure);
       finish(*r, Request::State::failed);
     }
+  }
+
+  // Whether our matched record `index` waits for a copy handed over to `peer` that will not come
+  // now: not yet claimed (a later claim then fails), or claimed by a peer that has left.
+  bool take_back_handed_over(std::uint32_t index, int peer) {
+    Record& rec = segment_.record(segment_.handle(rank_, index));
+    auto expected = Record::Outcome::handed_over;
+    if (outcome(rec).compare_exchange_strong(expected, Record::Outcome::copy_failed, std::memory_order_acq_rel))
+      return true;
+    return expected == Record::Outcome::claimed && peer_gone(peer) &&
+           outcome(rec).compare_exchange_strong(expected, Record::Outcome::copy_failed, std::memory_order_acq_rel);
   }
 
   // ---- completions (this rank's thread) ----
@@ -400,6 +540,7 @@ class SharedMemoryEngine {
       std::lock_guard lock(pool_mutex_);
       r = owners_[index];
     }
+    if (segment_.record(handle).outcome == Record::Outcome::copy_here) copy_handed_over(handle);
     const Record& rec = segment_.record(handle);
     r->transferred_ = rec.transferred;
     const char* operation = rec.is_send ? "send" : "recv";
@@ -415,6 +556,9 @@ class SharedMemoryEngine {
       }
       case Record::Outcome::copy_failed:
       case Record::Outcome::pending:
+      case Record::Outcome::copy_here:
+      case Record::Outcome::handed_over:
+      case Record::Outcome::claimed:
         r->error_ = Error(ErrorKind::internal, context(rec.peer, operation),
                           fmt::format("cross-memory copy of {} bytes (tag {:#x}) failed: {}", rec.size, rec.tag,
                                       std::strerror(rec.copy_errno)));
@@ -482,6 +626,7 @@ class SharedMemoryEngine {
 
   SharedMemoryOptions options_;
   shm::Segment segment_;
+  Arena arena_;
   const int rank_;
   const int size_;
 
@@ -519,6 +664,9 @@ std::size_t SharedMemory::wait(Request& r, std::chrono::steady_clock::time_point
   return engine_->wait(r, deadline);
 }
 void SharedMemory::abort(const Error& cause) { engine_->abort(cause); }
+std::span<std::byte> SharedMemory::allocate(std::size_t bytes) { return engine_->allocate(bytes); }
+void SharedMemory::deallocate(std::span<std::byte> block) noexcept { engine_->deallocate(block); }
+bool SharedMemory::shared(std::span<const std::byte> bytes) const noexcept { return engine_->shared(bytes); }
 
 std::string SharedMemory::segment_name(const SharedMemoryOptions& options) { return shm::Segment::name(options); }
 
@@ -537,6 +685,18 @@ SharedMemoryOptions SharedMemory::options_from_env() {
       throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
                   fmt::format("GRADSYNC_SETUP_TIMEOUT_S={:?} is not a whole number from 1 to 86400", *t));
     o.setup_timeout = std::chrono::seconds(seconds);
+  }
+  if (const auto a = launch::process_environment("GRADSYNC_SHM_ARENA_BYTES")) {
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long n = std::strtoull(a->c_str(), &end, 10);
+    const std::string_view suffix(end);
+    const int shift = suffix.empty() ? 0 : suffix == "K" ? 10 : suffix == "M" ? 20 : suffix == "G" ? 30 : -1;
+    if (a->empty() || !std::isdigit(static_cast<unsigned char>(a->front())) || errno || shift < 0 ||
+        n > (std::numeric_limits<std::size_t>::max() >> shift))
+      throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
+                  fmt::format("GRADSYNC_SHM_ARENA_BYTES={:?} is not a number of bytes (with K, M or G as suffix)", *a));
+    o.arena_bytes = static_cast<std::size_t>(n) << shift;
   }
   return o;
 }
