@@ -283,8 +283,8 @@ TEST_SUITE("shared_memory") {
             const bool sending = rank == 0;
             // An odd offset: messages need not start where a block does.
             const bool here_shared = sending ? send_shared : receive_shared;
-            std::span<std::byte> buffer = std::span(here_shared ? shared_block.data() : private_block.data(), bytes + 64)
-                                              .subspan(3, bytes);
+            std::byte* block = here_shared ? shared_block.data() : private_block.data();
+            const std::span<std::byte> buffer(block + 3, bytes);
             const auto fill = static_cast<std::byte>(tag & 0xff);
             std::fill(buffer.begin(), buffer.end(), sending ? fill : std::byte{0});
             buffer.back() = sending ? ~fill : std::byte{0};

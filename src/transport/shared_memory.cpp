@@ -3,10 +3,10 @@
 // rank's own completion thread.
 //
 // Locks: a rank's mailbox mutex guards the queues of messages addressed to it and every copy into
-// it made while matching, so a request found queued there under that lock has not been copied yet
-// and can be taken back safely (a copy handed over to the other side's completion thread runs
-// after both halves have left the queues, so neither can be taken back meanwhile); a rank's done mutex guards its completion list and is only ever taken after a
-// mailbox mutex, never before. Within this process, pool_mutex_ guards the record pool.
+// it, so a request found queued there under that lock has not been copied yet and can be taken
+// back safely; a rank's done mutex guards its completion list and is only ever taken after a
+// mailbox mutex, never before.
+// Within this process, pool_mutex_ guards the record pool.
 
 #include "gradsync/transport/shared_memory.hpp"
 
@@ -15,15 +15,14 @@
 #include <unistd.h>
 
 #include <cctype>
-#include <atomic>
 #include <cerrno>
-#include <limits>
-#include <new>
-#include <string_view>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <mutex>
+#include <new>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -60,7 +59,9 @@ class Arena {
   static constexpr std::size_t alignment = 64;
 
   Arena(const shm::Segment& segment, int local_rank)
-      : segment_(segment), region_(segment.arena(local_rank)), at_(static_cast<std::size_t>(region_.data() - segment.base())) {
+      : segment_(segment),
+        region_(segment.arena(local_rank)),
+        at_(static_cast<std::size_t>(region_.data() - segment.base())) {
     const std::size_t first = std::min(first_claim, region_.size());
     if (first < ipc::managed_external_buffer::segment_manager::get_min_size() || !segment_.reserve(at_, first)) return;
     manager_.emplace(ipc::create_only, region_.data(), first);
@@ -99,8 +100,8 @@ class Arena {
     // space joins the free block at the end, if there is one.
     const std::size_t room = region_.size() - managed_;
     if (bytes > room) return nullptr;
-    std::size_t extra = std::min(room, std::max(least_growth, (bytes + alignment + shm::page_bytes + shm::page_bytes - 1) /
-                                                                  shm::page_bytes * shm::page_bytes));
+    const std::size_t wanted = (bytes + alignment + 2 * shm::page_bytes - 1) / shm::page_bytes * shm::page_bytes;
+    const std::size_t extra = std::min(room, std::max(least_growth, wanted));
     if (!segment_.reserve(at_ + managed_, extra)) return nullptr;
     manager_->grow(extra);
     managed_ += extra;
@@ -165,7 +166,6 @@ class SharedMemoryEngine {
     mine.shared_offset = segment_.offset_of(is_send ? source : destination, bytes);
     mine.size = bytes;
     mine.transferred = mine.other_size = 0;
-    mine.partner = no_record;
     mine.copy_errno = 0;
     r.start(is_send, peer, tag, source, destination, bytes);
     r.record_ = index;
@@ -175,7 +175,6 @@ class SharedMemoryEngine {
     const int box_rank = is_send ? peer : rank_;
     shm::RankArea& box = segment_.rank(box_rank);
     std::optional<std::uint32_t> other;
-    bool handed_over = false;
     {
       auto lock = lock_mailbox(box_rank, peer, operation);
       // Checked under the mailbox lock: a failure scan that ran before we took it sees our record
@@ -194,10 +193,10 @@ class SharedMemoryEngine {
       if (!other)
         append(is_send ? box.sends : box.receives, handle);
       else
-        handed_over = !transfer(is_send ? handle : *other, is_send ? *other : handle);
+        transfer(is_send ? handle : *other, is_send ? *other : handle);
     }
     if (other) {
-      if (!handed_over) post_done(rank_, handle);  // else the copier reports ours when it has copied
+      post_done(rank_, handle);
       post_done(peer, *other);
     }
   }
@@ -325,24 +324,17 @@ class SharedMemoryEngine {
     return nullptr;
   }
 
-  static std::atomic_ref<Record::Outcome> outcome(Record& r) { return std::atomic_ref<Record::Outcome>(r.outcome); }
-
   // Copies the send's bytes into the receive, from whichever process we are: with memcpy when we
-  // can address both buffers (ours, or in the segment). When we cannot but the other side can
-  // (ours lies in the segment, its own is private), the copy is handed over to the other side's
-  // completion thread and false returned: the caller then reports only the other half, which
-  // that thread copies and reports back. Otherwise by cross-memory attach (the sender writes
-  // into the receiver, the receiver reads from the sender).
-  bool transfer(std::uint32_t send_handle, std::uint32_t receive_handle) {
+  // can address both buffers (ours, or any in the segment), else by cross-memory attach (the
+  // sender writes into the receiver, the receiver reads from the sender).
+  void transfer(std::uint32_t send_handle, std::uint32_t receive_handle) {
     Record& send = segment_.record(send_handle);
     Record& receive = segment_.record(receive_handle);
-    send.partner = receive_handle;
-    receive.partner = send_handle;
     if (send.size > receive.size) {
       send.other_size = receive.size;
       receive.other_size = send.size;
       send.outcome = receive.outcome = Record::Outcome::too_long;
-      return true;
+      return;
     }
     int error = 0;
     if (send.size != 0) {
@@ -351,10 +343,6 @@ class SharedMemoryEngine {
       std::byte* to = visible(receive);
       if (from && to) {
         std::memcpy(to, from, send.size);
-      } else if ((we_send ? send : receive).shared_offset != shm::not_shared) {
-        outcome(we_send ? send : receive).store(Record::Outcome::handed_over, std::memory_order_relaxed);
-        (we_send ? receive : send).outcome = Record::Outcome::copy_here;
-        return false;  // published to the other side by post_done's lock
       } else {
         const pid_t other = segment_.rank(we_send ? receive.owner : send.owner).process.pid;
         std::size_t moved = 0;
@@ -376,29 +364,6 @@ class SharedMemoryEngine {
     send.copy_errno = receive.copy_errno = error;
     send.outcome = receive.outcome = error ? Record::Outcome::copy_failed : Record::Outcome::done;
     send.transferred = receive.transferred = error ? 0 : send.size;
-    return true;
-  }
-
-  // A copy handed over to us (transfer()): our record `handle` and its partner, which lies in the
-  // segment. Claims the partner first: its owner may have failed it meanwhile (we were slow to
-  // answer and it saw the job fail), and then its buffer is no longer ours to touch.
-  void copy_handed_over(std::uint32_t handle) {
-    Record& mine = segment_.record(handle);
-    Record& theirs = segment_.record(mine.partner);
-    const std::uint32_t partner = mine.partner;
-    auto expected = Record::Outcome::handed_over;
-    if (!outcome(theirs).compare_exchange_strong(expected, Record::Outcome::claimed, std::memory_order_acquire)) {
-      mine.outcome = Record::Outcome::copy_failed;
-      mine.copy_errno = ECANCELED;
-      return;
-    }
-    Record& send = mine.is_send ? mine : theirs;
-    Record& receive = mine.is_send ? theirs : mine;
-    std::memcpy(visible(receive), visible(send), send.size);
-    mine.transferred = theirs.transferred = send.size;
-    mine.outcome = Record::Outcome::done;
-    outcome(theirs).store(Record::Outcome::done, std::memory_order_release);
-    post_done(theirs.owner, partner);
   }
 
   void post_done(int owner, std::uint32_t handle) {
@@ -502,26 +467,10 @@ class SharedMemoryEngine {
       auto failure = failure_for(r->peer_, r->is_send_ ? "send" : "recv");
       if (!failure || r->record_ != index || r->state_.load(std::memory_order_acquire) != Request::State::pending)
         continue;
-      if (!withdraw(*r)) {
-        // Matched: its completion is on its way, unless its copy was handed over to a peer that
-        // has gone without making it (or never started it).
-        if (!take_back_handed_over(index, r->peer_)) continue;
-        give_back(index);
-      }
+      if (!withdraw(*r)) continue;  // matched: its completion is already on its way
       r->error_ = std::move(*failure);
       finish(*r, Request::State::failed);
     }
-  }
-
-  // Whether our matched record `index` waits for a copy handed over to `peer` that will not come
-  // now: not yet claimed (a later claim then fails), or claimed by a peer that has left.
-  bool take_back_handed_over(std::uint32_t index, int peer) {
-    Record& rec = segment_.record(segment_.handle(rank_, index));
-    auto expected = Record::Outcome::handed_over;
-    if (outcome(rec).compare_exchange_strong(expected, Record::Outcome::copy_failed, std::memory_order_acq_rel))
-      return true;
-    return expected == Record::Outcome::claimed && peer_gone(peer) &&
-           outcome(rec).compare_exchange_strong(expected, Record::Outcome::copy_failed, std::memory_order_acq_rel);
   }
 
   // ---- completions (this rank's thread) ----
@@ -540,7 +489,6 @@ class SharedMemoryEngine {
       std::lock_guard lock(pool_mutex_);
       r = owners_[index];
     }
-    if (segment_.record(handle).outcome == Record::Outcome::copy_here) copy_handed_over(handle);
     const Record& rec = segment_.record(handle);
     r->transferred_ = rec.transferred;
     const char* operation = rec.is_send ? "send" : "recv";
@@ -556,9 +504,6 @@ class SharedMemoryEngine {
       }
       case Record::Outcome::copy_failed:
       case Record::Outcome::pending:
-      case Record::Outcome::copy_here:
-      case Record::Outcome::handed_over:
-      case Record::Outcome::claimed:
         r->error_ = Error(ErrorKind::internal, context(rec.peer, operation),
                           fmt::format("cross-memory copy of {} bytes (tag {:#x}) failed: {}", rec.size, rec.tag,
                                       std::strerror(rec.copy_errno)));

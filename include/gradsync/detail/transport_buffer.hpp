@@ -29,7 +29,9 @@ class TransportBuffer {
     plain_ = AlignedBuffer(bytes);
   }
   TransportBuffer(TransportBuffer&& o) noexcept
-      : transport_(std::exchange(o.transport_, nullptr)), block_(std::exchange(o.block_, {})), plain_(std::move(o.plain_)) {}
+      : transport_(std::exchange(o.transport_, nullptr)),
+        block_(std::exchange(o.block_, {})),
+        plain_(std::move(o.plain_)) {}
   TransportBuffer& operator=(TransportBuffer&& o) noexcept {
     if (this != &o) {
       release();

@@ -108,8 +108,9 @@ class SharedMemory {
   // `bytes` of memory, 64-byte aligned, that this rank's messages can be sent from and received
   // into without cross-memory attach: from this rank's arena, or from ordinary memory when the
   // arena (or /dev/shm) is full or off, so it never fails for want of shared memory. Every other
-  // local rank can address an arena block, so a message between it and any buffer of the
-  // copying side, or another arena block, is one memcpy. Thread-safe. Blocks must be returned
+  // local rank can address an arena block, so a message is one memcpy when the side that copies
+  // (whichever posts second) can address both buffers: arena to arena always; arena and private
+  // when the private buffer's owner copies. Thread-safe. Blocks must be returned
   // with deallocate() before this transport is destroyed (the arena goes with it).
   std::span<std::byte> allocate(std::size_t bytes);
   void deallocate(std::span<std::byte> block) noexcept;

@@ -105,7 +105,8 @@ Segment::Segment(const SharedMemoryOptions& o) : name_(name(o)) {
     throw setup_error(ErrorKind::invalid_argument, o, fmt::format("max_pending {} is out of range", o.max_pending));
   if (o.arena_bytes > max_arena_bytes)
     throw setup_error(ErrorKind::invalid_argument, o,
-                      fmt::format("arena_bytes {} is more than the {} a rank may have", o.arena_bytes, max_arena_bytes));
+                      fmt::format("arena_bytes {} is more than the {} a rank may have", o.arena_bytes,
+                                  max_arena_bytes));
   const auto deadline = Clock::now() + o.setup_timeout;
   try {
     if (o.local_rank == 0)

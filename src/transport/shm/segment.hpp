@@ -48,11 +48,7 @@ struct ProcessIdentity {
 // queued in the receiving rank's mailbox (`next`), and once matched it is queued in its owner's
 // completion list (`done_next`).
 struct Record {
-  // Matched, with the copy left to one side, who alone can memcpy it (see transfer() in
-  // shared_memory.cpp): copy_here marks that side's record, handed_over the other's, which
-  // becomes claimed while the copier copies. handed_over and claimed change with atomic_ref,
-  // since the waiting side may fail a handed-over record whose copier left.
-  enum class Outcome : std::uint32_t { pending, done, too_long, copy_failed, copy_here, handed_over, claimed };
+  enum class Outcome : std::uint32_t { pending, done, too_long, copy_failed };
   std::uint32_t next = no_record;
   std::uint32_t done_next = no_record;
   std::int32_t owner = -1;  // local ranks
@@ -65,7 +61,6 @@ struct Record {
   std::uint64_t size = 0;     // bytes offered (send) or room (receive)
   std::uint64_t transferred = 0;
   std::uint64_t other_size = 0;  // the other half's size, for a too-long message
-  std::uint32_t partner = no_record;  // the other half, once matched
   std::int32_t copy_errno = 0;
 };
 
