@@ -255,8 +255,10 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     engine::BucketExchange<Codec, X> exchange(cfg.topology == "ring"           ? ring.schedule(group, count, codec_traits<Codec>())
                                               : cfg.topology == "hierarchical" ? hier.schedule(group, count, codec_traits<Codec>())
                                                                                : ps.schedule(group, count, codec_traits<Codec>()),
-                                              codec, DType::f32);
-    std::vector<float> values(count);
+                                              codec, DType::f32, false, &transport);
+    // From the transport's own memory where it has some (SharedMemory: one memcpy per message).
+    const gradsync::detail::TransportBuffer<X> storage(&transport, count * sizeof(float));
+    const std::span<float> values = storage.template as<float>(count);
     const std::vector<float> expected = elementwise<Codec> ? expected_average(codec, n, count, cfg) : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;

@@ -6,7 +6,9 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <bit>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -217,6 +219,112 @@ TEST_SUITE("shared_memory") {
       CHECK(contains(report, "rank 2"));
     }
     CHECK_FALSE(segment_exists(job, 3));
+  }
+
+  TEST_CASE("allocate: 64-byte aligned blocks of the arena, reused once returned, ordinary memory when it is full") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(1, [&](int) -> std::string {
+      SharedMemoryOptions o = options(0, 1, job);
+      o.arena_bytes = std::size_t{4} << 20;
+      SharedMemory shm(o);
+      const auto aligned = [](std::span<std::byte> b) { return reinterpret_cast<std::uintptr_t>(b.data()) % 64 == 0; };
+      if (!shm.allocate(0).empty()) return "zero bytes gave a block";
+      std::vector<std::span<std::byte>> blocks;
+      for (std::size_t bytes : {std::size_t{1}, std::size_t{100}, std::size_t{1} << 20, (std::size_t{1} << 20) + 13}) {
+        blocks.push_back(shm.allocate(bytes));
+        if (blocks.back().size() != bytes || !aligned(blocks.back())) return fmt::format("block of {} bytes", bytes);
+        if (!shm.shared(blocks.back())) return fmt::format("a block of {} bytes is not in the arena", bytes);
+        std::memset(blocks.back().data(), 0x5a, bytes);  // every page usable (no SIGBUS)
+      }
+      // Beyond the arena: ordinary memory, still aligned and usable.
+      const auto big = shm.allocate(std::size_t{8} << 20);
+      if (big.size() != (std::size_t{8} << 20) || !aligned(big) || shm.shared(big)) return "oversized block";
+      std::memset(big.data(), 1, big.size());
+      std::span<std::byte> filler[4];
+      int in_arena = 0;
+      for (auto& f : filler) in_arena += shm.shared(f = shm.allocate(std::size_t{1} << 20));
+      if (in_arena == 4) return "the arena held more than its size";
+      for (auto f : filler) shm.deallocate(f);
+      for (auto b : blocks) shm.deallocate(b);
+      shm.deallocate(big);
+      // All returned: one block of nearly the whole arena fits again.
+      const auto again = shm.allocate(std::size_t{3} << 20);
+      if (!shm.shared(again)) return "returned blocks were not reused";
+      shm.deallocate(again);
+      shm.deallocate({});
+      // No arena at all: every block is ordinary memory.
+      SharedMemoryOptions off = options(0, 1, fresh_job());
+      off.arena_bytes = 0;
+      SharedMemory plain(off);
+      const auto p = plain.allocate(4096);
+      if (p.size() != 4096 || !aligned(p) || plain.shared(p)) return "arena_bytes 0 still gave arena memory";
+      plain.deallocate(p);
+      return "ok";
+    });
+    CHECK_MESSAGE(results[0].ok(), results[0].report);
+    CHECK_FALSE(segment_exists(job, 1));
+  }
+
+  TEST_CASE("messages between arena and private buffers: all four combinations, either side posting first") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      SharedMemory shm(options(rank, 2, job));
+      const int other = 1 - rank;
+      const auto deadline = [] { return std::chrono::steady_clock::now() + 10s; };
+      const auto signal = [&](std::uint64_t tag) {
+        SharedMemory::Request r;
+        shm.send(r, other, tag, {});
+        shm.wait(r, deadline());
+      };
+      const auto await_signal = [&](std::uint64_t tag) {
+        SharedMemory::Request r;
+        shm.recv(r, other, tag, {});
+        shm.wait(r, deadline());
+      };
+      const std::size_t bytes = (std::size_t{3} << 20) + 5;  // more than one copy's worth, odd size
+      const auto shared_block = shm.allocate(bytes + 64);
+      if (!shm.shared(shared_block)) return "no arena block";
+      std::vector<std::byte> private_block(bytes + 64);
+      std::uint64_t tag = 1000;
+      for (bool send_shared : {false, true})
+        for (bool receive_shared : {false, true})
+          for (bool sender_first : {false, true}) {
+            const bool sending = rank == 0;
+            // An odd offset: messages need not start where a block does.
+            const bool here_shared = sending ? send_shared : receive_shared;
+            std::byte* block = here_shared ? shared_block.data() : private_block.data();
+            const std::span<std::byte> buffer(block + 3, bytes);
+            const auto fill = static_cast<std::byte>(tag & 0xff);
+            std::fill(buffer.begin(), buffer.end(), sending ? fill : std::byte{0});
+            buffer.back() = sending ? ~fill : std::byte{0};
+            SharedMemory::Request r;
+            const bool first = sending == sender_first;
+            if (!first) await_signal(tag + 1);  // the other side has posted
+            if (sending)
+              shm.send(r, other, tag, buffer);
+            else
+              shm.recv(r, other, tag, buffer);
+            if (first) signal(tag + 1);
+            const std::size_t n = shm.wait(r, deadline());
+            const auto where = fmt::format("send {}, receive {}, {} first", send_shared ? "arena" : "private",
+                                           receive_shared ? "arena" : "private", sender_first ? "sender" : "receiver");
+            if (n != bytes) return fmt::format("{}: {} bytes", where, n);
+            if (!sending && (std::any_of(buffer.begin(), buffer.end() - 1, [&](std::byte b) { return b != fill; }) ||
+                             buffer.back() != ~fill))
+              return fmt::format("{}: wrong contents", where);
+            tag += 2;
+          }
+      // Both done before either closes (a closed peer fails the other's operations).
+      SharedMemory::Request b_out, b_in;
+      shm.send(b_out, other, 1, {});
+      shm.recv(b_in, other, 1, {});
+      shm.wait(b_out, deadline());
+      shm.wait(b_in, deadline());
+      shm.deallocate(shared_block);
+      return "ok";
+    });
+    for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+    CHECK_FALSE(segment_exists(job, 2));
   }
 
   TEST_CASE("a segment left by a killed job is replaced, never joined") {

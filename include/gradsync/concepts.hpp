@@ -170,6 +170,14 @@ concept PipelineTopology = TopologyPolicy<T> && requires(T t, const T& ct, const
 //                             follow many requests at once without polling.
 //   abort(error)              fails every pending operation of this rank and makes every rank
 //                             that depends on it fail fast with an Error that names this rank.
+//   Optional: allocate(bytes) -> std::span<std::byte> and deallocate(span)
+//                             memory that messages travel from and to more cheaply than from
+//                             ordinary memory (SharedMemory: its arena, one memcpy per message).
+//                             Blocks are 64-byte aligned, never fail for want of the special
+//                             memory (they fall back to ordinary memory), and are returned before
+//                             the transport is destroyed. When a transport has them, the
+//                             Synchronizer's bucket storage and the exchanges' scratch slots come
+//                             from it (detail::TransportBuffer), allocated when a plan is installed.
 template <class X>
 concept TransportPolicy = std::movable<X> &&
     requires(X& x, const X& cx, typename X::Request& req, int peer, std::uint64_t tag,
@@ -187,5 +195,12 @@ concept TransportPolicy = std::movable<X> &&
       { x.wait(req, deadline) } -> std::same_as<std::size_t>;
       x.abort(error);
     };
+
+// The optional part of TransportPolicy: a transport that hands out its own memory.
+template <class X>
+concept TransportAllocator = TransportPolicy<X> && requires(X& x, std::size_t bytes, std::span<std::byte> block) {
+  { x.allocate(bytes) } -> std::same_as<std::span<std::byte>>;
+  x.deallocate(block);
+};
 
 }  // namespace gradsync

@@ -34,7 +34,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/concepts.hpp"
-#include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/detail/convert.hpp"
 #include "gradsync/engine/control.hpp"
 #include "gradsync/engine/cost_model.hpp"
@@ -217,7 +217,7 @@ class Synchronizer {
     // A bucket of one gradient already in its accumulation dtype is reduced where it lies,
     // saving a copy in and a copy out; otherwise gradients are packed into `storage`.
     bool in_place = false;
-    detail::AlignedBuffer storage;
+    detail::TransportBuffer<X> storage;  // from the transport when it hands out memory
     // Where the bucket is reduced, typed by its dtype: the one place the dtype becomes a type.
     engine::BucketValues values;
     engine::BucketExchange<C, X> exchange;
@@ -284,7 +284,8 @@ class Synchronizer {
         bucket.elements += layout_[id].count;
       }
       bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype;
-      if (!bucket.in_place) bucket.storage = detail::AlignedBuffer(bucket.elements * size_of(bucket.dtype));
+      if (!bucket.in_place)
+        bucket.storage = detail::TransportBuffer<X>(&transport_, bucket.elements * size_of(bucket.dtype));
       void* data = bucket.in_place ? views_[ids.front()].data : bucket.storage.data();
       if (bucket.dtype == DType::f64)
         bucket.values = std::span<double>(static_cast<double*>(data), bucket.elements);
@@ -320,11 +321,11 @@ class Synchronizer {
             engine::choose_schedule(*costs_, codec_, topology_, group_, bucket.elements, bucket.dtype);
         decisions_ += fmt::format("\n  bucket {}: {}", b, chosen.explanation);
         return engine::BucketExchange<C, X>(std::move(chosen.schedule), codec_, bucket.dtype,
-                                            !chosen.compressed && !C::identity);
+                                            !chosen.compressed && !C::identity, &transport_);
       }
     }
     return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()), codec_,
-                                        bucket.dtype);
+                                        bucket.dtype, false, &transport_);
   }
 
   void log_decisions() {

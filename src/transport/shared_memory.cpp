@@ -5,7 +5,8 @@
 // Locks: a rank's mailbox mutex guards the queues of messages addressed to it and every copy into
 // it, so a request found queued there under that lock has not been copied yet and can be taken
 // back safely; a rank's done mutex guards its completion list and is only ever taken after a
-// mailbox mutex, never before. Within this process, pool_mutex_ guards the record pool.
+// mailbox mutex, never before.
+// Within this process, pool_mutex_ guards the record pool.
 
 #include "gradsync/transport/shared_memory.hpp"
 
@@ -13,14 +14,19 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <mutex>
+#include <new>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include <boost/interprocess/managed_external_buffer.hpp>
 #include <boost/interprocess/sync/scoped_lock.hpp>
 #include <fmt/format.h>
 
@@ -43,10 +49,77 @@ constexpr auto lock_patience = std::chrono::seconds(10);
 // How often an idle completion thread looks whether its peers are still running.
 constexpr auto liveness_period = std::chrono::milliseconds(50);
 
+// This rank's arena (segment.hpp): Boost.Interprocess's best-fit allocator manages a prefix of it
+// that grows as allocations need more. The prefix's pages are claimed (Segment::reserve) before
+// the allocator may touch them, so neither its bookkeeping nor a block can meet a missing page;
+// when claiming fails, or the arena is full, blocks come from ordinary memory instead. Pages once
+// claimed stay with the job until it ends (the segment is freed with its last process).
+class Arena {
+ public:
+  static constexpr std::size_t alignment = 64;
+
+  Arena(const shm::Segment& segment, int local_rank)
+      : segment_(segment),
+        region_(segment.arena(local_rank)),
+        at_(static_cast<std::size_t>(region_.data() - segment.base())) {
+    const std::size_t first = std::min(first_claim, region_.size());
+    if (first < ipc::managed_external_buffer::segment_manager::get_min_size() || !segment_.reserve(at_, first)) return;
+    manager_.emplace(ipc::create_only, region_.data(), first);
+    managed_ = first;
+  }
+
+  std::span<std::byte> allocate(std::size_t bytes) {
+    if (bytes == 0) return {};
+    {
+      std::lock_guard lock(mutex_);
+      if (void* p = from_arena(bytes)) return {static_cast<std::byte*>(p), bytes};
+    }
+    return {static_cast<std::byte*>(::operator new(bytes, std::align_val_t{alignment})), bytes};
+  }
+
+  void deallocate(std::span<std::byte> block) noexcept {
+    if (block.data() == nullptr) return;
+    if (block.data() >= region_.data() && block.data() < region_.data() + region_.size()) {
+      std::lock_guard lock(mutex_);
+      manager_->get_segment_manager()->deallocate(block.data());
+    } else {
+      ::operator delete(block.data(), std::align_val_t{alignment});
+    }
+  }
+
+ private:
+  // Claims at least this much more at a time, so that many small blocks grow it rarely.
+  static constexpr std::size_t first_claim = std::size_t{64} << 10;
+  static constexpr std::size_t least_growth = std::size_t{1} << 20;
+
+  void* from_arena(std::size_t bytes) {
+    if (!manager_) return nullptr;
+    auto* manager = manager_->get_segment_manager();
+    if (void* p = manager->allocate_aligned(bytes, alignment, std::nothrow)) return p;
+    // Grow the managed prefix by the block, its alignment and the allocator's headers; the new
+    // space joins the free block at the end, if there is one.
+    const std::size_t room = region_.size() - managed_;
+    if (bytes > room) return nullptr;
+    const std::size_t wanted = (bytes + alignment + 2 * shm::page_bytes - 1) / shm::page_bytes * shm::page_bytes;
+    const std::size_t extra = std::min(room, std::max(least_growth, wanted));
+    if (!segment_.reserve(at_ + managed_, extra)) return nullptr;
+    manager_->grow(extra);
+    managed_ += extra;
+    return manager->allocate_aligned(bytes, alignment, std::nothrow);
+  }
+
+  const shm::Segment& segment_;
+  const std::span<std::byte> region_;
+  const std::size_t at_;  // the region's offset in the segment
+  std::mutex mutex_;
+  std::optional<ipc::managed_external_buffer> manager_;
+  std::size_t managed_ = 0;  // the prefix of region_ the allocator manages, all of it claimed
+};
+
 class SharedMemoryEngine {
  public:
   explicit SharedMemoryEngine(const SharedMemoryOptions& o)
-      : options_(o), segment_(o), rank_(o.local_rank), size_(o.local_size) {
+      : options_(o), segment_(o), arena_(segment_, o.local_rank), rank_(o.local_rank), size_(o.local_size) {
     free_.reserve(segment_.capacity());
     for (std::uint32_t i = segment_.capacity(); i-- > 0;) free_.push_back(i);
     owners_.assign(segment_.capacity(), nullptr);
@@ -90,6 +163,7 @@ class SharedMemoryEngine {
     mine.outcome = Record::Outcome::pending;
     mine.tag = tag;
     mine.address = reinterpret_cast<std::uint64_t>(is_send ? source : destination);
+    mine.shared_offset = segment_.offset_of(is_send ? source : destination, bytes);
     mine.size = bytes;
     mine.transferred = mine.other_size = 0;
     mine.copy_errno = 0;
@@ -159,6 +233,12 @@ class SharedMemoryEngine {
     }
     if (r.state_.load(std::memory_order_acquire) == Request::State::failed) throw *r.error_;
     return r.transferred_;
+  }
+
+  std::span<std::byte> allocate(std::size_t bytes) { return arena_.allocate(bytes); }
+  void deallocate(std::span<std::byte> block) noexcept { arena_.deallocate(block); }
+  bool shared(std::span<const std::byte> bytes) const noexcept {
+    return segment_.offset_of(bytes.data(), bytes.size()) != shm::not_shared;
   }
 
   void abort(const Error& cause) {
@@ -237,8 +317,16 @@ class SharedMemoryEngine {
 
   // ---- matching and copying (caller holds the receiver's mailbox lock) ----
 
-  // Copies the send's bytes into the receive, from whichever process we are: the sender writes
-  // into the receiver, the receiver reads from the sender, a rank talking to itself copies.
+  // Where this process sees a record's buffer: its own, or one in the segment; null otherwise.
+  std::byte* visible(const Record& r) const {
+    if (r.owner == rank_) return reinterpret_cast<std::byte*>(r.address);
+    if (r.shared_offset != shm::not_shared) return segment_.base() + r.shared_offset;
+    return nullptr;
+  }
+
+  // Copies the send's bytes into the receive, from whichever process we are: with memcpy when we
+  // can address both buffers (ours, or any in the segment), else by cross-memory attach (the
+  // sender writes into the receiver, the receiver reads from the sender).
   void transfer(std::uint32_t send_handle, std::uint32_t receive_handle) {
     Record& send = segment_.record(send_handle);
     Record& receive = segment_.record(receive_handle);
@@ -251,9 +339,10 @@ class SharedMemoryEngine {
     int error = 0;
     if (send.size != 0) {
       const bool we_send = send.owner == rank_;
-      const bool we_receive = receive.owner == rank_;
-      if (we_send && we_receive) {
-        std::memcpy(reinterpret_cast<void*>(receive.address), reinterpret_cast<const void*>(send.address), send.size);
+      std::byte* from = visible(send);
+      std::byte* to = visible(receive);
+      if (from && to) {
+        std::memcpy(to, from, send.size);
       } else {
         const pid_t other = segment_.rank(we_send ? receive.owner : send.owner).process.pid;
         std::size_t moved = 0;
@@ -482,6 +571,7 @@ class SharedMemoryEngine {
 
   SharedMemoryOptions options_;
   shm::Segment segment_;
+  Arena arena_;
   const int rank_;
   const int size_;
 
@@ -519,6 +609,9 @@ std::size_t SharedMemory::wait(Request& r, std::chrono::steady_clock::time_point
   return engine_->wait(r, deadline);
 }
 void SharedMemory::abort(const Error& cause) { engine_->abort(cause); }
+std::span<std::byte> SharedMemory::allocate(std::size_t bytes) { return engine_->allocate(bytes); }
+void SharedMemory::deallocate(std::span<std::byte> block) noexcept { engine_->deallocate(block); }
+bool SharedMemory::shared(std::span<const std::byte> bytes) const noexcept { return engine_->shared(bytes); }
 
 std::string SharedMemory::segment_name(const SharedMemoryOptions& options) { return shm::Segment::name(options); }
 
@@ -537,6 +630,18 @@ SharedMemoryOptions SharedMemory::options_from_env() {
       throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
                   fmt::format("GRADSYNC_SETUP_TIMEOUT_S={:?} is not a whole number from 1 to 86400", *t));
     o.setup_timeout = std::chrono::seconds(seconds);
+  }
+  if (const auto a = launch::process_environment("GRADSYNC_SHM_ARENA_BYTES")) {
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long n = std::strtoull(a->c_str(), &end, 10);
+    const std::string_view suffix(end);
+    const int shift = suffix.empty() ? 0 : suffix == "K" ? 10 : suffix == "M" ? 20 : suffix == "G" ? 30 : -1;
+    if (a->empty() || !std::isdigit(static_cast<unsigned char>(a->front())) || errno || shift < 0 ||
+        n > (std::numeric_limits<std::size_t>::max() >> shift))
+      throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
+                  fmt::format("GRADSYNC_SHM_ARENA_BYTES={:?} is not a number of bytes (with K, M or G as suffix)", *a));
+    o.arena_bytes = static_cast<std::size_t>(n) << shift;
   }
   return o;
 }

@@ -30,6 +30,7 @@
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/tag.hpp"
 
 namespace gradsync::engine {
@@ -94,8 +95,9 @@ class BucketExchange {
   BucketExchange() = default;
   // `raw`: the schedule was built for the identity (selective compression left this bucket
   // uncompressed), so every slot holds plain values whatever the codec, as if all were marked in
-  // Schedule::slot_raw.
-  BucketExchange(Schedule schedule, const C& codec, DType dtype, bool raw = false)
+  // Schedule::slot_raw. `transport`, if given, provides the scratch slots when it hands out memory
+  // (detail::TransportBuffer).
+  BucketExchange(Schedule schedule, const C& codec, DType dtype, bool raw = false, X* transport = nullptr)
       : schedule_(std::move(schedule)),
         raw_(raw),
         slot_offset_(schedule_.slot_elements.size()),
@@ -116,7 +118,7 @@ class BucketExchange {
                                                                   : codec.max_encoded_bytes(elements, dtype);
       total += detail::align_up(slot_capacity_[s]);
     }
-    scratch_ = detail::AlignedBuffer(total);
+    scratch_ = detail::TransportBuffer<X>(transport, total);
     for (const Step& step : schedule_.steps)
       if (step.op == Step::Op::average && schedule_.contributors < 1)
         throw Error(ErrorKind::invalid_argument, {.operation = "schedule"},
@@ -288,7 +290,7 @@ class BucketExchange {
   std::vector<std::size_t> slot_offset_;
   std::vector<std::size_t> slot_capacity_;
   std::vector<std::size_t> slot_bytes_;
-  detail::AlignedBuffer scratch_;
+  detail::TransportBuffer<X> scratch_;
   std::vector<typename X::Request> requests_;  // one per step; only sends and receives use theirs
   std::vector<std::uint8_t> completed_;        // serial executor: transfers already waited for
   std::vector<typename C::State> states_;      // one per step; encode steps get real state

@@ -34,6 +34,16 @@ class Borrowed {
 
   void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) { x_->send(r, peer, tag, bytes); }
   void recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) { x_->recv(r, peer, tag, bytes); }
+  std::span<std::byte> allocate(std::size_t bytes)
+    requires TransportAllocator<X>
+  {
+    return x_->allocate(bytes);
+  }
+  void deallocate(std::span<std::byte> block)
+    requires TransportAllocator<X>
+  {
+    x_->deallocate(block);
+  }
   bool test(Request& r) { return x_->test(r); }
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) { return x_->wait(r, deadline); }
   void abort(const Error& cause) { x_->abort(cause); }

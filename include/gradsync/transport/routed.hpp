@@ -73,6 +73,19 @@ class Routed {
     else
       remote_.recv(r.remote_, peer, tag, bytes);
   }
+  // Memory from the local transport where it hands some out (SharedMemory's arena): a message
+  // between two ranks of the machine from or into it is one memcpy; TCP reads and writes it as any.
+  std::span<std::byte> allocate(std::size_t bytes)
+    requires TransportAllocator<Local>
+  {
+    return local_.allocate(bytes);
+  }
+  void deallocate(std::span<std::byte> block)
+    requires TransportAllocator<Local>
+  {
+    local_.deallocate(block);
+  }
+
   bool test(Request& r) { return r.is_local_ ? local_.test(r.local_) : remote_.test(r.remote_); }
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     return r.is_local_ ? local_.wait(r.local_, deadline) : remote_.wait(r.remote_, deadline);

@@ -17,6 +17,16 @@
 // creator runs belongs to another job and is refused. The creator proves it holds the job token
 // (HMAC-SHA-256, the token never stored) and the others check the proof before attaching.
 //
+// Memory the transport can share: allocate() hands out blocks of this rank's arena, a region of
+// the segment that every local rank maps, so whichever side copies a message can address a buffer
+// that lies there and copies it with one memcpy; cross-memory attach remains for a buffer the
+// copier cannot address (another rank's private memory), and costs about a third of memcpy's
+// bandwidth (it pins pages per call). The Synchronizer puts its bucket and scratch buffers there
+// (TransportPolicy's optional allocate/deallocate, concepts.hpp); an application gets zero-copy
+// sends of its own data by allocating it here. Arena pages take memory only when an allocation
+// claims them, and are claimed with posix_fallocate, so a small /dev/shm (Docker's 64 MiB) means
+// ordinary memory instead, never SIGBUS.
+//
 // A rank that exits or aborts makes every other rank's pending and later operations fail at once
 // with Error(peer_failed) naming it. Ranks and peers are numbered 0..local_size-1; errors name
 // the launch's ranks (first_rank + local rank), which is what the job's logs say.
@@ -47,6 +57,10 @@ struct SharedMemoryOptions {
   std::string token{};  // the job's shared secret
   std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);
   std::size_t max_pending = 16384;  // operations one rank may have posted and not yet completed
+  // Address space reserved for each rank's arena (allocate()); pages take memory only as blocks
+  // are allocated. Local rank 0's value is the machine's; 0 turns arenas off. From the
+  // environment: GRADSYNC_SHM_ARENA_BYTES (a number of bytes, or with a K, M or G suffix).
+  std::size_t arena_bytes = std::size_t{4} << 30;
 };
 
 class SharedMemory {
@@ -90,6 +104,18 @@ class SharedMemory {
   bool test(Request& request);
   std::size_t wait(Request& request, std::chrono::steady_clock::time_point deadline);
   void abort(const Error& cause);
+
+  // `bytes` of memory, 64-byte aligned, that this rank's messages can be sent from and received
+  // into without cross-memory attach: from this rank's arena, or from ordinary memory when the
+  // arena (or /dev/shm) is full or off, so it never fails for want of shared memory. Every other
+  // local rank can address an arena block, so a message is one memcpy when the side that copies
+  // (whichever posts second) can address both buffers: arena to arena always; arena and private
+  // when the private buffer's owner copies. Thread-safe. Blocks must be returned
+  // with deallocate() before this transport is destroyed (the arena goes with it).
+  std::span<std::byte> allocate(std::size_t bytes);
+  void deallocate(std::span<std::byte> block) noexcept;
+  // Whether `bytes` lies in this machine's shared segment (an arena block, or part of one).
+  bool shared(std::span<const std::byte> bytes) const noexcept;
 
  private:
   std::unique_ptr<detail::SharedMemoryEngine> engine_;

@@ -1,8 +1,10 @@
 #include "transport/shm/segment.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <new>
@@ -24,12 +26,20 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::string_view proof_label = "gradsync-shm";
 constexpr auto retry_pause = std::chrono::milliseconds(2);
+constexpr std::size_t max_arena_bytes = std::size_t{1} << 40;
 
 std::size_t align_up(std::size_t n) { return (n + 63) & ~std::size_t{63}; }
 
-std::size_t segment_bytes(std::uint32_t local_size, std::uint32_t capacity) {
-  return align_up(sizeof(Header)) + align_up(sizeof(RankArea) * local_size) +
-         sizeof(Record) * static_cast<std::size_t>(local_size) * capacity;
+std::size_t page_up(std::size_t n) { return (n + page_bytes - 1) / page_bytes * page_bytes; }
+
+// Where the arenas begin: after the header, the rank areas and the records, on a page boundary.
+std::size_t arenas_at(std::uint32_t local_size, std::uint32_t capacity) {
+  return page_up(align_up(sizeof(Header)) + align_up(sizeof(RankArea) * local_size) +
+                 sizeof(Record) * static_cast<std::size_t>(local_size) * capacity);
+}
+
+std::size_t segment_bytes(std::uint32_t local_size, std::uint32_t capacity, std::uint64_t arena_bytes) {
+  return arenas_at(local_size, capacity) + static_cast<std::size_t>(arena_bytes) * local_size;
 }
 
 // /proc/<pid>/stat: the state (field 3) and start time (field 22); nullopt if the process is gone.
@@ -93,6 +103,10 @@ Segment::Segment(const SharedMemoryOptions& o) : name_(name(o)) {
                       fmt::format("local rank {} of {} is not a place on this machine", o.local_rank, o.local_size));
   if (o.max_pending < 1 || o.max_pending > std::numeric_limits<std::uint32_t>::max() / (2 * o.local_size))
     throw setup_error(ErrorKind::invalid_argument, o, fmt::format("max_pending {} is out of range", o.max_pending));
+  if (o.arena_bytes > max_arena_bytes)
+    throw setup_error(ErrorKind::invalid_argument, o,
+                      fmt::format("arena_bytes {} is more than the {} a rank may have", o.arena_bytes,
+                                  max_arena_bytes));
   const auto deadline = Clock::now() + o.setup_timeout;
   try {
     if (o.local_rank == 0)
@@ -108,6 +122,14 @@ Segment::Segment(const SharedMemoryOptions& o) : name_(name(o)) {
 
 Segment::~Segment() {
   if (named_) ipc::shared_memory_object::remove(name_.c_str());
+}
+
+bool Segment::reserve(std::size_t offset, std::size_t n) const {
+  if (n == 0) return true;
+  const int fd = object_->get_mapping_handle().handle;
+  const int error = ::posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(n));
+  errno = error;
+  return error == 0;
 }
 
 void Segment::lay_out() {
@@ -150,12 +172,21 @@ void Segment::create(const SharedMemoryOptions& o, Clock::time_point deadline) {
     }
   }
   named_ = true;
-  object->truncate(static_cast<ipc::offset_t>(segment_bytes(size, capacity)));
-  region_ = std::make_unique<ipc::mapped_region>(*object, ipc::read_write);
+  const std::uint64_t arena_bytes = page_up(o.arena_bytes);
+  object->truncate(static_cast<ipc::offset_t>(segment_bytes(size, capacity, arena_bytes)));
+  object_ = std::move(object);
+  // The control part gets its memory now; the arenas stay sparse until allocations claim pages.
+  if (!reserve(0, arenas_at(size, capacity)))
+    throw setup_error(ErrorKind::internal, o,
+                      fmt::format("/dev/shm has no room for the {} bytes of segment {}'s queues: {}",
+                                  arenas_at(size, capacity), name_, std::strerror(errno)));
+  region_ = std::make_unique<ipc::mapped_region>(*object_, ipc::read_write);
 
   auto* h = new (region_->get_address()) Header();
   h->local_size = size;
   h->capacity = capacity;
+  h->arenas_at = arenas_at(size, capacity);
+  h->arena_bytes = arena_bytes;
   h->creator = ProcessIdentity::self();
   std::random_device random;
   for (auto& b : h->nonce) b = static_cast<std::uint8_t>(random());
@@ -197,11 +228,12 @@ void Segment::attach(const SharedMemoryOptions& o, Clock::time_point deadline) {
         throw setup_error(ErrorKind::protocol, o,
                           fmt::format("segment {} was not made by a holder of this job's token", name_));
       if (h->local_size != static_cast<std::uint32_t>(o.local_size) ||
-          static_cast<std::size_t>(size) < segment_bytes(h->local_size, h->capacity))
+          static_cast<std::size_t>(size) < segment_bytes(h->local_size, h->capacity, h->arena_bytes))
         throw setup_error(ErrorKind::mismatch, o,
                           fmt::format("local rank 0 made segment {} for {} local ranks, this rank counts {}", name_,
                                       h->local_size, o.local_size));
       region_ = std::move(region);
+      object_.emplace(std::move(object));
       lay_out();
       ipc::scoped_lock lock(h->setup_mutex);
       RankArea& mine = areas_[o.local_rank];

@@ -2,17 +2,22 @@
 // The shared-memory segment of transport::SharedMemory (shared_memory.hpp): its layout, and how
 // local rank 0 creates it and the others attach to it. Private to the library.
 //
-// Layout: a Header, then one RankArea per local rank, then each rank's pool of Records. Every
-// field another process reads is either set before the header's magic is published (release)
-// or guarded by the process-shared mutex named beside it.
+// Layout: a Header, then one RankArea per local rank, then each rank's pool of Records, then (page
+// aligned) one arena per local rank, arena_bytes each. Every field another process reads is either
+// set before the header's magic is published (release) or guarded by the process-shared mutex
+// named beside it. The arenas are sparse: a page takes memory only once reserve() has claimed it
+// for an allocation (see Arena in shared_memory.cpp).
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 
 #include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
 #include <boost/interprocess/sync/interprocess_condition.hpp>
 #include <boost/interprocess/sync/interprocess_mutex.hpp>
 
@@ -24,8 +29,10 @@ namespace gradsync::transport::shm {
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 1;
+inline constexpr std::uint32_t segment_version = 2;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
+inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
+inline constexpr std::size_t page_bytes = 4096;
 
 // A process as the kernel knows it: pid and start time (clock ticks since boot), so a recycled
 // pid is never taken for the process that once had it.
@@ -50,6 +57,7 @@ struct Record {
   Outcome outcome = Outcome::pending;
   std::uint64_t tag = 0;
   std::uint64_t address = 0;  // the buffer, in its owner's address space
+  std::uint64_t shared_offset = not_shared;  // where the buffer lies in the segment, if it does
   std::uint64_t size = 0;     // bytes offered (send) or room (receive)
   std::uint64_t transferred = 0;
   std::uint64_t other_size = 0;  // the other half's size, for a too-long message
@@ -89,6 +97,8 @@ struct Header {
   std::atomic<std::int32_t> failed_rank{-1};
   std::atomic<std::uint32_t> failure_written{0};
   std::array<char, 512> failure{};
+  std::uint64_t arenas_at = 0;    // offset of local rank 0's arena; the others follow it
+  std::uint64_t arena_bytes = 0;  // each rank's (local rank 0's SharedMemoryOptions::arena_bytes, page aligned)
 };
 
 // A mapped segment, attached and checked. Unlinks its name when every local rank has attached.
@@ -108,6 +118,23 @@ class Segment {
   }
   std::uint32_t capacity() const { return header_->capacity; }
 
+  // The whole mapping, which every local rank has at its own address.
+  std::byte* base() const { return static_cast<std::byte*>(region_->get_address()); }
+  std::size_t bytes() const { return region_->get_size(); }
+  // Where `p` (of `n` bytes) lies in the segment, or not_shared.
+  std::uint64_t offset_of(const void* p, std::size_t n) const {
+    const auto* b = static_cast<const std::byte*>(p);
+    return b >= base() && n <= bytes() && static_cast<std::size_t>(b - base()) <= bytes() - n
+               ? static_cast<std::uint64_t>(b - base())
+               : not_shared;
+  }
+  std::span<std::byte> arena(int local) const {
+    return {base() + header_->arenas_at + static_cast<std::size_t>(local) * header_->arena_bytes,
+            static_cast<std::size_t>(header_->arena_bytes)};
+  }
+  // Gives the segment's pages [offset, offset + n) memory now (posix_fallocate), so that touching
+  // them cannot raise SIGBUS later on a full /dev/shm; false if there is not that much room.
+  bool reserve(std::size_t offset, std::size_t n) const;
   static std::string name(const SharedMemoryOptions& options);
 
  private:
@@ -117,6 +144,7 @@ class Segment {
   void lay_out();
 
   std::string name_;
+  std::optional<ipc::shared_memory_object> object_;  // kept open for reserve(), after the name is gone
   std::unique_ptr<ipc::mapped_region> region_;
   Header* header_ = nullptr;
   RankArea* areas_ = nullptr;

@@ -25,7 +25,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/concepts.hpp"
-#include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/coordinator/planner.hpp"
 #include "gradsync/engine/coordinator/wire.hpp"
 #include "gradsync/engine/tag.hpp"
@@ -53,7 +53,8 @@ class CoordinatorChannel {
         grants_head_(group.size()),
         finished_(group.size()) {
     for (std::size_t i = 0; i < requests_.size(); ++i) {
-      buffers_[i] = detail::AlignedBuffer(
+      buffers_[i] = detail::TransportBuffer<X>(
+          &transport_,
           incoming_report(i) || outgoing_report(i)
               ? coordinator_wire::message_bytes<coordinator_wire::ReportEntry>(coordinator_wire::max_entries)
               : coordinator_wire::message_bytes<std::uint64_t>(coordinator_wire::max_entries));
@@ -289,7 +290,7 @@ class CoordinatorChannel {
   bool coordinator_;
   TransmissionPlanner planner_;  // coordinator only
   std::vector<typename X::Request> requests_;
-  std::vector<detail::AlignedBuffer> buffers_;
+  std::vector<detail::TransportBuffer<X>> buffers_;
   std::vector<std::uint8_t> busy_;         // request posted and not yet taken
   std::vector<std::uint64_t> report_seq_;  // coordinator: next report expected per peer; others: [0] next sent
   std::vector<std::uint64_t> grant_seq_;   // coordinator: next grant per peer; others: [0] next expected
