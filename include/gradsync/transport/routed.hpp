@@ -8,9 +8,9 @@
 // flat world and never needs to know which way a message goes; topology::Hierarchical's schedule
 // is what keeps most of its bytes on the local side.
 //
-// Routed hands out no memory of its own (SharedMemory's arena is not passed on): buffers that TCP
-// also reads and writes did worse in the arena's pages, measured on 2 emulated hosts x 4 ranks at
-// 1 Gbit/s, hierarchical, 64 MiB: 749 ms against 638 ms in ordinary memory (bench/README.md).
+// Routed hands out no memory of its own (SharedMemory's arena is not passed on), so the buffers
+// TCP reads and writes stay in ordinary memory; whether the arena's pages would serve TCP as well
+// is not settled (bench/README.md, "one machine, many ranks").
 //
 //   auto world = transport::Routed(transport::SharedMemory::from_env(), transport::Tcp::from_env());
 
