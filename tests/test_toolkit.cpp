@@ -114,7 +114,7 @@ TEST_SUITE("toolkit") {
     CHECK(settings.threshold == 0.2f);
     CHECK(parse(app, {"--codec", "two_bit"}).starts_with("--codec: two_bit not in {none,fp16,"));
     CHECK(parse(app, {"--topology", "tree"}) ==
-          "--topology: tree not in {ring,parameter-server} (--help lists the options)");
+          "--topology: tree not in {ring,parameter-server,hierarchical} (--help lists the options)");
     CHECK(parse(app, {"--dedicated"}) ==
           "--servers and --dedicated: need --topology parameter-server (--help lists the options)");
     CHECK(parse(app, {"--servers", "2", "--dedicated", "--dedicated", "--topology", "parameter-server"}) == "accepted");

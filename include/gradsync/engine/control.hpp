@@ -100,10 +100,16 @@ class ControlChannel {
     constexpr std::size_t max_text = std::size_t{1} << 20;
     const int n = group_.size();
     if (mine.size() > max_text) throw malformed(group_.rank, fmt::format("{} is over {} bytes", what, max_text));
-    const auto sends = std::make_unique<typename X::Request[]>(static_cast<std::size_t>(n));
-    const auto receives = std::make_unique<typename X::Request[]>(static_cast<std::size_t>(n));
-    std::vector<std::string> texts(static_cast<std::size_t>(n), std::string(max_text, '\0'));
-    const auto out = std::as_bytes(std::span(mine.data(), mine.size()));
+    // The channel owns what the transfers name: a failed wait leaves the rest pending until the
+    // Synchronizer aborts the transport, and they must not point into a finished stack frame.
+    all_sends_ = std::make_unique<typename X::Request[]>(static_cast<std::size_t>(n));
+    all_receives_ = std::make_unique<typename X::Request[]>(static_cast<std::size_t>(n));
+    all_texts_.assign(static_cast<std::size_t>(n), std::string(max_text, '\0'));
+    all_out_.assign(mine);
+    auto& sends = all_sends_;
+    auto& receives = all_receives_;
+    auto& texts = all_texts_;
+    const auto out = std::as_bytes(std::span(all_out_.data(), all_out_.size()));
     for (int peer = 0; peer < n; ++peer) {
       if (peer == group_.rank) continue;
       transport_.recv(receives[peer], group_.members[peer], control_tag(iteration, m),
@@ -159,6 +165,9 @@ class ControlChannel {
   std::string in_;
   std::vector<std::byte> probe_out_;
   std::vector<std::byte> probe_in_;
+  std::unique_ptr<typename X::Request[]> all_sends_, all_receives_;  // exchange_with_all's
+  std::vector<std::string> all_texts_;
+  std::string all_out_;
 };
 
 // ---- what the Synchronizer agrees on ---------------------------------------------------------
