@@ -215,22 +215,18 @@ class SharedMemoryEngine {
     const auto settled = [&] { return r.state_.load(std::memory_order_acquire) != Request::State::pending; };
     if (r.state_.load(std::memory_order_acquire) == Request::State::idle)
       throw Error(ErrorKind::invalid_argument, context(-1, "wait"), "request was never posted");
-    bool in_time;
-    {
-      std::unique_lock lock(local_mutex_);
-      in_time = waiters_.wait_until(lock, deadline, settled);
-    }
+    const bool in_time = settled() || serve_until(deadline, settled);
     if (!in_time && withdraw(r)) {
       r.state_.store(Request::State::idle, std::memory_order_relaxed);
       throw Error(ErrorKind::timeout, context(r.peer_, r.is_send_ ? "send" : "recv"),
                   fmt::format("rank {} posted no matching {} (tag {:#x}) before the deadline", launch_rank(r.peer_),
                               r.is_send_ ? "receive" : "send", r.tag_));
     }
-    if (!in_time) {
-      // Matched while we gave up: its completion is on its way to our thread.
-      std::unique_lock lock(local_mutex_);
-      waiters_.wait(lock, settled);
-    }
+    // Matched while we gave up: its completion is on its way.
+    if (!in_time && !serve_until(Clock::now() + lock_patience, settled))
+      throw Error(ErrorKind::peer_failed, context(r.peer_, r.is_send_ ? "send" : "recv"),
+                  fmt::format("the {} (tag {:#x}) was matched but never completed: rank {} died copying it",
+                              r.is_send_ ? "send" : "receive", r.tag_, launch_rank(r.peer_)));
     if (r.state_.load(std::memory_order_acquire) == Request::State::failed) throw *r.error_;
     return r.transferred_;
   }
@@ -377,7 +373,10 @@ class SharedMemoryEngine {
     else
       segment_.record(q.tail).done_next = handle;
     q.tail = handle;
-    area.done_changed.notify_one();
+    if (area.serving != 0)
+      area.served_changed.notify_all();
+    else
+      area.done_changed.notify_one();
   }
 
   void wake(int local) {
@@ -473,13 +472,13 @@ class SharedMemoryEngine {
     }
   }
 
-  // ---- completions (this rank's thread) ----
+  // ---- completions (this rank's thread, or a thread waiting in wait()) ----
 
+  // Once the state is stored the owner may return and reuse `r`: the sink hears first. Whoever
+  // waits for `r` sleeps on the completion list's condition and is woken by whoever drained it.
   void finish(Request& r, Request::State state) {
     r.report();
     r.state_.store(state, std::memory_order_release);
-    { std::lock_guard lock(local_mutex_); }
-    waiters_.notify_all();
   }
 
   void complete(std::uint32_t handle) {
@@ -514,23 +513,60 @@ class SharedMemoryEngine {
     finish(*r, failed ? Request::State::failed : Request::State::done);
   }
 
+  // Completes every record in this rank's completion list, releasing `lock` (on the list) while
+  // it does; false if the list was empty.
+  bool drain(ipc::scoped_lock<ipc::interprocess_mutex>& lock) {
+    shm::RankArea& area = segment_.rank(rank_);
+    std::uint32_t head = std::exchange(area.done.head, no_record);
+    area.done.tail = no_record;
+    if (head == no_record) return false;
+    lock.unlock();
+    while (head != no_record) {
+      const std::uint32_t next = segment_.record(head).done_next;
+      complete(head);
+      head = next;
+    }
+    lock.lock();
+    return true;
+  }
+
+  // A thread in wait() completes whatever arrives for this rank until `settled()` or the deadline,
+  // sleeping on the list's shared condition, so a copier in another process wakes it directly.
+  template <class Settled>
+  bool serve_until(Clock::time_point deadline, Settled settled) {
+    shm::RankArea& area = segment_.rank(rank_);
+    ipc::scoped_lock lock(area.done_mutex);
+    ++area.serving;
+    bool done = false;
+    for (;;) {
+      if ((done = settled())) break;
+      if (drain(lock)) {
+        if (area.serving > 1) area.served_changed.notify_all();  // the batch may have held others' requests
+        continue;
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) break;
+      area.served_changed.timed_wait(lock, shm::utc_deadline(std::min<Clock::duration>(deadline - now, liveness_period)),
+                                     [&] { return area.done.head != no_record || settled(); });
+    }
+    // What arrives from now on is the completion thread's again.
+    if (--area.serving == 0 && area.done.head != no_record) area.done_changed.notify_one();
+    return done;
+  }
+
   void complete_loop() {
     shm::RankArea& area = segment_.rank(rank_);
     for (;;) {
-      std::uint32_t head = no_record;
       bool look_around = false;
       {
         ipc::scoped_lock lock(area.done_mutex);
-        area.done_changed.timed_wait(lock, shm::utc_deadline(liveness_period),
-                                     [&] { return area.done.head != no_record || area.wake != 0; });
-        head = std::exchange(area.done.head, no_record);
-        area.done.tail = no_record;
-        look_around = std::exchange(area.wake, 0u) != 0 || head == no_record;
-      }
-      while (head != no_record) {
-        const std::uint32_t next = segment_.record(head).done_next;
-        complete(head);
-        head = next;
+        area.done_changed.timed_wait(lock, shm::utc_deadline(liveness_period), [&] {
+          return (area.done.head != no_record && area.serving == 0) || area.wake != 0;
+        });
+        const bool completed = drain(lock);
+        look_around = std::exchange(area.wake, 0u) != 0 || !completed;
+        // A waiter may have gone to sleep before we took its completion from the list.
+        if (completed && area.serving != 0) area.served_changed.notify_all();
       }
       {
         std::lock_guard lock(local_mutex_);
@@ -538,7 +574,11 @@ class SharedMemoryEngine {
       }
       if (look_around) {
         const bool departed = notice_departures();
-        if (departed || segment_.header().failed_rank.load(std::memory_order_acquire) >= 0) fail_orphans();
+        if (departed || segment_.header().failed_rank.load(std::memory_order_acquire) >= 0) {
+          fail_orphans();
+          ipc::scoped_lock lock(area.done_mutex);
+          if (area.serving != 0) area.served_changed.notify_all();
+        }
       }
     }
   }
@@ -581,7 +621,6 @@ class SharedMemoryEngine {
   std::vector<bool> peer_gone_;
 
   std::mutex local_mutex_;
-  std::condition_variable waiters_;
   bool stopping_ = false;
   std::thread thread_;
 };

@@ -5,10 +5,12 @@
 // The segment holds what the ranks must agree on: one mailbox per rank, where posted sends and
 // receives wait for their other half, and one completion list per rank, each behind a process-
 // shared mutex and condition. The payload does not pass through it: whoever posts the second half
-// of a message copies it once, straight from the sender's buffer into the receiver's, with Linux's
+// of a message copies it once, straight from the sender's buffer into the receiver's: a memcpy
+// when both lie in ranks' arenas (allocate(), below) or the copier's own memory, else Linux's
 // cross-memory attach (process_vm_readv/writev), as Open MPI's shared-memory transport does for
 // large messages. One copy, like InProcess; nothing buffered, nothing allocated per message. Each
-// rank runs one thread that sleeps on its completion list (no spinning) and reports completions.
+// rank runs one thread that sleeps on its completion list (no spinning) and reports completions;
+// a thread blocked in wait() completes them itself meanwhile, so the copier wakes it directly.
 //
 // The segment is named after the job (a digest of GRADSYNC_TOKEN, MASTER_ADDR and MASTER_PORT)
 // and the machine, created by local rank 0 and unlinked as soon as every local rank has mapped it,

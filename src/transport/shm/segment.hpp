@@ -29,7 +29,7 @@ namespace gradsync::transport::shm {
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 2;
+inline constexpr std::uint32_t segment_version = 3;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
 inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
 inline constexpr std::size_t page_bytes = 4096;
@@ -80,6 +80,10 @@ struct RankArea {
   ipc::interprocess_condition done_changed;
   FifoQueue done;                         // this rank's matched records, for its completion thread
   std::uint32_t wake = 0;                 // a failure or a close asks the thread to look around
+  // Threads of this rank blocked in wait(), which complete `done` themselves meanwhile: a copier
+  // wakes them (served_changed) rather than the completion thread, one hand-off fewer.
+  std::uint32_t serving = 0;
+  ipc::interprocess_condition served_changed;
 };
 
 struct Header {
