@@ -22,6 +22,18 @@ launch::Launch placed(int rank, int world, int local_world) {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 using Borrowed = transport::Borrowed<transport::InProcess>;
+using World = transport::Routed<transport::SharedMemory, transport::Tcp>;
+
+// Rank `rank` of n / local emulated machines of `local` processes each: shared memory within
+// its machine (a segment per machine, named after `job`), TCP to the others.
+World routed_world(int rank, int local, int n, std::uint16_t port, const std::string& job) {
+  const transport::SharedMemoryOptions shm{.local_rank = rank % local, .local_size = local,
+                                           .first_rank = rank - rank % local, .job = job, .token = "t",
+                                           .setup_timeout = 20s};
+  const transport::TcpOptions tcp{.rank = rank, .world_size = n, .master_port = port, .token = "t",
+                                  .setup_timeout = 20s};
+  return World(transport::SharedMemory(shm), transport::Tcp(tcp));
+}
 template <class X>
 using RingSync = Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, X>;
 
@@ -127,14 +139,8 @@ TEST_SUITE("groups") {
       const std::size_t count = 50003;
       const auto input = [](int r, std::size_t e) { return static_cast<float>((static_cast<std::size_t>(r) * 13 + e) % 97); };
       const auto results = test::run_processes(n, [&](int rank) -> std::string {
-        transport::SharedMemoryOptions shm{.local_rank = rank % local, .local_size = local,
-                                           .first_rank = rank - rank % local, .job = job, .token = "t",
-                                           .setup_timeout = 20s};
-        transport::TcpOptions tcp{.rank = rank, .world_size = n, .master_port = port, .token = "t",
-                                  .setup_timeout = 20s};
-        using World = transport::Routed<transport::SharedMemory, transport::Tcp>;
         Synchronizer<bucketing::PerTensor, compression::None, topology::Hierarchical, World> sync(
-            World(transport::SharedMemory(shm), transport::Tcp(tcp)), {.timeout = 20s}, {}, {},
+            routed_world(rank, local, n, port, job), {.timeout = 20s}, {}, {},
             {.ranks_per_machine = local, .chunk_elements = 4096});
         std::vector<float> g(count);
         for (std::size_t e = 0; e < count; ++e) g[e] = input(rank, e);
@@ -160,14 +166,7 @@ TEST_SUITE("groups") {
     const std::string job = fmt::format("groups-test-{}-{}", ::getpid(), std::random_device{}());
     const std::size_t count = 30001;
     const auto results = test::run_processes(n, [&](int rank) -> std::string {
-      transport::SharedMemoryOptions shm{.local_rank = rank % local, .local_size = local,
-                                         .first_rank = rank - rank % local, .job = job, .token = "t",
-                                         .setup_timeout = 20s};
-      transport::TcpOptions tcp{.rank = rank, .world_size = n, .master_port = port, .token = "t",
-                                .setup_timeout = 20s};
-      using World = transport::Routed<transport::SharedMemory, transport::Tcp>;
-      RingSync<World> sync(World(transport::SharedMemory(shm), transport::Tcp(tcp)), {.timeout = 20s}, {}, {},
-                           {.chunk_elements = 4096});
+      RingSync<World> sync(routed_world(rank, local, n, port, job), {.timeout = 20s}, {}, {}, {.chunk_elements = 4096});
       std::vector<float> g = test::random_values(count, 5u + static_cast<unsigned>(rank));
       sync.add("g", view(g));
       sync.ready(0);

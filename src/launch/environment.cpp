@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.hpp"
+#include "launch/setting.hpp"
 
 namespace gradsync::launch {
 
@@ -77,6 +78,17 @@ long long slurm_tasks_on_this_node(const Environment& env) {
 }
 
 }  // namespace
+
+std::optional<long> number_setting(std::string_view name, long low, long high) {
+  const auto text = process_environment(name);
+  if (!text) return std::nullopt;
+  char* end = nullptr;
+  const long value = std::strtol(text->c_str(), &end, 10);
+  if (text->empty() || *end != '\0' || value < low || value > high)
+    throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
+                fmt::format("{}={:?} is not a whole number from {} to {}", name, *text, low, high));
+  return value;
+}
 
 std::optional<std::string> process_environment(std::string_view name) {
   if (const char* value = std::getenv(std::string(name).c_str())) return std::string(value);

@@ -31,6 +31,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/launch/environment.hpp"
+#include "launch/setting.hpp"
 #include "transport/shm/segment.hpp"
 
 namespace gradsync::transport {
@@ -280,12 +281,13 @@ class SharedMemoryEngine {
 
   // ---- queues in the segment (callers hold the queue's lock) ----
 
-  void append(shm::FifoQueue& q, std::uint32_t handle) {
-    segment_.record(handle).next = no_record;
+  // Appends `handle` to `q`, linked through `link` (a mailbox's `next` or a completion list's `done_next`).
+  void append(shm::FifoQueue& q, std::uint32_t handle, std::uint32_t Record::*link = &Record::next) {
+    segment_.record(handle).*link = no_record;
     if (q.tail == no_record)
       q.head = handle;
     else
-      segment_.record(q.tail).next = handle;
+      segment_.record(q.tail).*link = handle;
     q.tail = handle;
   }
 
@@ -366,13 +368,7 @@ class SharedMemoryEngine {
     shm::RankArea& area = segment_.rank(owner);
     ipc::scoped_lock lock(area.done_mutex, ipc::defer_lock);
     if (!lock.timed_lock(shm::utc_deadline(lock_patience))) return;  // its owner died holding it
-    shm::FifoQueue& q = area.done;
-    segment_.record(handle).done_next = no_record;
-    if (q.tail == no_record)
-      q.head = handle;
-    else
-      segment_.record(q.tail).done_next = handle;
-    q.tail = handle;
+    append(area.done, handle, &Record::done_next);
     if (area.serving != 0)
       area.served_changed.notify_all();
     else
@@ -662,14 +658,7 @@ SharedMemoryOptions SharedMemory::options_from_env() {
   o.first_rank = launch.rank - launch.local_rank;
   o.token = launch.token;
   o.job = fmt::format("{}\n{}:{}", launch.token, launch.master_addr, launch.master_port);
-  if (const auto t = launch::process_environment("GRADSYNC_SETUP_TIMEOUT_S")) {
-    char* end = nullptr;
-    const long seconds = std::strtol(t->c_str(), &end, 10);
-    if (t->empty() || *end != '\0' || seconds < 1 || seconds > 86400)
-      throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
-                  fmt::format("GRADSYNC_SETUP_TIMEOUT_S={:?} is not a whole number from 1 to 86400", *t));
-    o.setup_timeout = std::chrono::seconds(seconds);
-  }
+  if (const auto t = launch::number_setting("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
   if (const auto a = launch::process_environment("GRADSYNC_SHM_ARENA_BYTES")) {
     char* end = nullptr;
     errno = 0;

@@ -9,6 +9,7 @@
 
 #include "gradsync/launch/environment.hpp"
 #include "gradsync/transport/tcp.hpp"
+#include "launch/setting.hpp"
 
 namespace gradsync::transport {
 
@@ -20,20 +21,10 @@ TcpOptions Tcp::options_from_env() {
   o.master_addr = launch.master_addr;
   o.master_port = launch.master_port;
   o.token = launch.token;
-  const auto number = [](const char* name, long low, long high) -> std::optional<long> {
-    const auto text = launch::process_environment(name);
-    if (!text) return std::nullopt;
-    char* end = nullptr;
-    const long value = std::strtol(text->c_str(), &end, 10);
-    if (text->empty() || *end != '\0' || value < low || value > high)
-      throw Error(ErrorKind::invalid_argument, {.operation = "launch"},
-                  fmt::format("{}={:?} is not a whole number from {} to {}", name, *text, low, high));
-    return value;
-  };
   if (const auto listen = launch::process_environment("GRADSYNC_LISTEN_ADDR")) o.listen_addr = *listen;
-  if (const auto c = number("GRADSYNC_CONNECTIONS_PER_PEER", 1, 64)) o.connections_per_peer = static_cast<int>(*c);
-  if (const auto b = number("GRADSYNC_EXPRESS_LANE_BYTES", 0, 1L << 30)) o.express_lane_bytes = static_cast<std::size_t>(*b);
-  if (const auto t = number("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
+  if (const auto c = launch::number_setting("GRADSYNC_CONNECTIONS_PER_PEER", 1, 64)) o.connections_per_peer = static_cast<int>(*c);
+  if (const auto b = launch::number_setting("GRADSYNC_EXPRESS_LANE_BYTES", 0, 1L << 30)) o.express_lane_bytes = static_cast<std::size_t>(*b);
+  if (const auto t = launch::number_setting("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
   if (const auto cc = launch::process_environment("GRADSYNC_TCP_CONGESTION")) o.congestion_control = *cc;
   return o;
 }
