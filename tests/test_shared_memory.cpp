@@ -25,6 +25,9 @@ using transport::SharedMemory;
 using transport::SharedMemoryOptions;
 
 static_assert(TransportPolicy<transport::Routed<SharedMemory, transport::Tcp>>);
+// Routed hands out the arena, so its buffers are memcpy-addressable for the machine's other ranks.
+static_assert(TransportAllocator<transport::Routed<SharedMemory, transport::Tcp>>);
+static_assert(!TransportAllocator<transport::Routed<transport::Tcp, transport::Tcp>>);
 
 namespace {
 

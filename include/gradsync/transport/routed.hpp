@@ -8,9 +8,9 @@
 // flat world and never needs to know which way a message goes; topology::Hierarchical's schedule
 // is what keeps most of its bytes on the local side.
 //
-// Routed hands out no memory of its own (SharedMemory's arena is not passed on), so the buffers
-// TCP reads and writes stay in ordinary memory; whether the arena's pages would serve TCP as well
-// is not settled (bench/README.md, "one machine, many ranks").
+// Memory comes from `Local` when it hands out its own (TransportAllocator: SharedMemory's arena), so
+// a message between two ranks of this machine is one memcpy between arena buffers, not a
+// cross-memory-attach copy; TCP reads and writes those same buffers as it would any others.
 //
 //   auto world = transport::Routed(transport::SharedMemory::from_env(), transport::Tcp::from_env());
 
@@ -81,6 +81,18 @@ class Routed {
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     return r.is_local_ ? local_.wait(r.local_, deadline) : remote_.wait(r.remote_, deadline);
   }
+  // The local transport's memory, where it has its own (see the top of this file).
+  std::span<std::byte> allocate(std::size_t bytes)
+    requires TransportAllocator<Local>
+  {
+    return local_.allocate(bytes);
+  }
+  void deallocate(std::span<std::byte> block)
+    requires TransportAllocator<Local>
+  {
+    local_.deallocate(block);
+  }
+
   // Both sides: the machine's ranks hear it through shared memory, the others through their sockets.
   void abort(const Error& cause) {
     local_.abort(cause);
