@@ -124,6 +124,21 @@ void Mlp::backward(std::size_t l, const float* x, std::size_t batch) {
   }
 }
 
+// Layer 0's delta, which its backward leaves in place, through its weights.
+void Mlp::input_gradient(std::size_t batch, float* dx) const {
+  const Layer& L = layers_.front();
+  const float* delta = deltas_.front().data();
+  for (std::size_t s = 0; s < batch; ++s) {
+    const float* d = delta + s * L.out;
+    for (std::size_t i = 0; i < L.in; ++i) {
+      const float* wi = L.w.data() + i * L.out;
+      float acc = 0.0f;
+      for (std::size_t o = 0; o < L.out; ++o) acc += wi[o] * d[o];
+      dx[s * L.in + i] = acc;
+    }
+  }
+}
+
 void Mlp::sgd_step(float learning_rate, float momentum) {
   for (Layer& L : layers_) {
     for (std::size_t k = 0; k < L.w.size(); ++k) {

@@ -39,6 +39,10 @@ class Mlp {
     return loss;
   }
 
+  // d(mean loss)/d(input) of the last train_step's batch, batch x inputs values into `dx`: for a
+  // model whose inputs are themselves learned (ctr's pooled embeddings). Call it before sgd_step.
+  void input_gradient(std::size_t batch, float* dx) const;
+
   void sgd_step(float learning_rate, float momentum);
 
   // How many of the `n` samples the model classifies correctly.
