@@ -8,6 +8,7 @@
 
 #include "gradsync/gradsync.hpp"
 #include "processes.hpp"
+#include "routed_world.hpp"
 #include "support.hpp"
 
 using namespace gradsync;
@@ -22,18 +23,9 @@ launch::Launch placed(int rank, int world, int local_world) {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 using Borrowed = transport::Borrowed<transport::InProcess>;
-using World = transport::Routed<transport::SharedMemory, transport::Tcp>;
+using World = test::RoutedWorld;
+using test::routed_world;
 
-// Rank `rank` of n / local emulated machines of `local` processes each: shared memory within
-// its machine (a segment per machine, named after `job`), TCP to the others.
-World routed_world(int rank, int local, int n, std::uint16_t port, const std::string& job) {
-  const transport::SharedMemoryOptions shm{.local_rank = rank % local, .local_size = local,
-                                           .first_rank = rank - rank % local, .job = job, .token = "t",
-                                           .setup_timeout = 20s};
-  const transport::TcpOptions tcp{.rank = rank, .world_size = n, .master_port = port, .token = "t",
-                                  .setup_timeout = 20s};
-  return World(transport::SharedMemory(shm), transport::Tcp(tcp));
-}
 template <class X>
 using RingSync = Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, X>;
 

@@ -15,6 +15,8 @@
 #include "gradsync/compression/top_k.hpp"
 #include "gradsync/compression/two_bit.hpp"
 #include "gradsync/launch/environment.hpp"
+#include "gradsync/sparse/embedding_table.hpp"
+#include "gradsync/sparse/exchange.hpp"
 #include "gradsync/synchronizer.hpp"
 #include "gradsync/topology/hierarchical.hpp"
 #include "gradsync/topology/parameter_server.hpp"

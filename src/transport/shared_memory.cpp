@@ -238,6 +238,23 @@ class SharedMemoryEngine {
     return segment_.offset_of(bytes.data(), bytes.size()) != shm::not_shared;
   }
 
+  std::uint64_t offset_of(std::span<const std::byte> bytes) const {
+    const std::uint64_t at = segment_.offset_of(bytes.data(), bytes.size());
+    if (at == shm::not_shared)
+      throw Error(ErrorKind::invalid_argument, {.rank = options_.first_rank + rank_, .operation = "shared offset"},
+                  fmt::format("{} bytes at {} are not in this machine's shared segment", bytes.size(),
+                              static_cast<const void*>(bytes.data())));
+    return at;
+  }
+
+  std::span<std::byte> at_offset(std::uint64_t offset, std::size_t bytes) const {
+    if (offset > segment_.bytes() || bytes > segment_.bytes() - offset)
+      throw Error(ErrorKind::protocol, {.rank = options_.first_rank + rank_, .operation = "shared offset"},
+                  fmt::format("{} bytes at offset {} reach past the shared segment ({} bytes)", bytes, offset,
+                              segment_.bytes()));
+    return {segment_.base() + offset, bytes};
+  }
+
   void abort(const Error& cause) {
     shm::Header& h = segment_.header();
     int expected = -1;
@@ -647,6 +664,10 @@ void SharedMemory::abort(const Error& cause) { engine_->abort(cause); }
 std::span<std::byte> SharedMemory::allocate(std::size_t bytes) { return engine_->allocate(bytes); }
 void SharedMemory::deallocate(std::span<std::byte> block) noexcept { engine_->deallocate(block); }
 bool SharedMemory::shared(std::span<const std::byte> bytes) const noexcept { return engine_->shared(bytes); }
+std::uint64_t SharedMemory::offset_of(std::span<const std::byte> bytes) const { return engine_->offset_of(bytes); }
+std::span<std::byte> SharedMemory::at_offset(std::uint64_t offset, std::size_t bytes) const {
+  return engine_->at_offset(offset, bytes);
+}
 
 std::string SharedMemory::segment_name(const SharedMemoryOptions& options) { return shm::Segment::name(options); }
 

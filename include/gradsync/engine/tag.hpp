@@ -27,6 +27,8 @@ enum class ControlMessage : std::uint32_t {
   plan = 4,                    // the agreed bucket plan, from rank 0, when the bucketing policy asks
   calibration = 6,             // selective compression's fitted costs, to rank 0 and back
   calibration_probe = 8,       // its timed transfers: probe k takes id 8 + k (raw bytes, no length)
+  embedding_table = 0x20000000u,  // where local rank 0 put the machine's embedding table (sparse/)
+  sparse = 0x20000010u,        // a sparse exchange's messages: ids sparse + 0 .. sparse + 4 (sparse/exchange.hpp)
   membership = 0x40000000u,    // whom each rank counts in its group, to every other member (raw text)
   coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
   coordinator_grant = 0x80000001u,   // coordinator -> rank

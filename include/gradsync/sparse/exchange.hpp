@@ -27,13 +27,21 @@
 // Every wait has the options' timeout and ends in an Error naming this rank, the peer and the
 // operation; a dead peer fails the transport, and with it this step, at once.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "gradsync/concepts.hpp"
+#include "gradsync/engine/tag.hpp"
+#include "gradsync/error.hpp"
+#include "gradsync/schedule.hpp"
 #include "gradsync/sparse/embedding_table.hpp"
 
 namespace gradsync::sparse {
@@ -58,17 +66,270 @@ struct SparseStepReport {
   std::size_t bytes_sent = 0;    // by this rank
 };
 
+// A sorted set of distinct keys with their rows and, once merged, how many trainers held each.
+struct RowSet {
+  std::vector<std::uint64_t> keys;
+  std::vector<std::uint32_t> counts;  // per key: trainers whose batch held it
+  std::vector<float> values;          // keys.size() x dim
+
+  void clear() {
+    keys.clear();
+    counts.clear();
+    values.clear();
+  }
+};
+
+namespace detail {
+
+// Sums `sets` into `out`: per key, the rows added in the order of `sets` (the first contributor
+// taken as it is, then ((a + b) + c) ..), and the counts added. Every input is sorted by key.
+// `order` is scratch.
+inline void merge_sets(std::span<const RowSet* const> sets, std::size_t dim, RowSet& out,
+                       std::vector<std::pair<std::uint64_t, std::uint64_t>>& order) {
+  order.clear();
+  for (std::size_t s = 0; s < sets.size(); ++s)
+    for (std::size_t i = 0; i < sets[s]->keys.size(); ++i) order.emplace_back(sets[s]->keys[i], (std::uint64_t{s} << 32) | i);
+  std::sort(order.begin(), order.end());  // by key, then set, then position: the summation order
+  out.clear();
+  for (const auto& [key, where] : order) {
+    const RowSet& from = *sets[where >> 32];
+    const std::size_t i = where & 0xffffffffu;
+    const float* row = from.values.data() + i * dim;
+    if (out.keys.empty() || out.keys.back() != key) {
+      out.keys.push_back(key);
+      out.counts.push_back(from.counts[i]);
+      out.values.insert(out.values.end(), row, row + dim);
+    } else {
+      out.counts.back() += from.counts[i];
+      float* sum = out.values.data() + out.values.size() - dim;
+      for (std::size_t j = 0; j < dim; ++j) sum[j] += row[j];
+    }
+  }
+}
+
+}  // namespace detail
+
 template <TransportPolicy X>
 class SparseExchange {
  public:
   // `world`: the job's transport, which must outlive this; `group`: all trainers, numbered
   // machine-major, `ranks_per_machine` (L) on each; `table`: this machine's.
-  SparseExchange(X& world, Group group, int ranks_per_machine, EmbeddingTable& table, SparseOptions options = {});
+  SparseExchange(X& world, Group group, int ranks_per_machine, EmbeddingTable& table, SparseOptions options = {})
+      : world_(world), group_(std::move(group)), local_count_(ranks_per_machine), table_(table), options_(options) {
+    if (local_count_ < 1 || group_.size() % local_count_ != 0)
+      throw Error(ErrorKind::invalid_argument, {.rank = group_.rank, .operation = "sparse exchange"},
+                  fmt::format("a group of {} ranks is not whole machines of {} ranks each", group_.size(), local_count_));
+    machine_count_ = group_.size() / local_count_;
+    machine_ = group_.rank / local_count_;
+    local_ = group_.rank % local_count_;
+    if ((local_ == 0) != table_.writer())
+      throw Error(ErrorKind::invalid_argument, {.rank = group_.rank, .operation = "sparse exchange"},
+                  fmt::format("group rank {} is local rank {} of its machine, but its embedding table says it is{} "
+                              "the machine's writer: the group's machines and the shared-memory transport's differ",
+                              group_.rank, local_, table_.writer() ? "" : " not"));
+    const auto most = static_cast<std::size_t>(std::max(local_count_, machine_count_));
+    sends_ = std::vector<typename X::Request>(2 * most);
+    send_peers_.assign(2 * most, -1);
+    received_.resize(most);
+    sizes_.resize(most);
+  }
+
+  SparseExchange(const SparseExchange&) = delete;
+  SparseExchange& operator=(const SparseExchange&) = delete;
+
+  const Group& group() const noexcept { return group_; }
 
   // One step, collective over the group: this trainer's keys and their gradient rows
   // (keys.size() * dim values; keys may repeat). Returns once this machine's table holds the
   // step's update.
-  SparseStepReport step(std::span<const std::uint64_t> keys, std::span<const float> gradients);
+  SparseStepReport step(std::span<const std::uint64_t> keys, std::span<const float> gradients) {
+    const auto dim = static_cast<std::size_t>(table_.dim());
+    if (gradients.size() != keys.size() * dim)
+      throw Error(ErrorKind::invalid_argument, {.rank = group_.rank, .operation = "sparse exchange"},
+                  fmt::format("{} keys of dim {} but {} gradient values", keys.size(), dim, gradients.size()));
+    SparseStepReport report;
+    sum_duplicates(keys, gradients, dim, own_);
+    report.keys = own_.keys.size();
+    const std::uint64_t step = step_++;
+    if (local_ != 0) {
+      pack(own_, dim);
+      report.bytes_sent += post_set(0, member(machine_, 0), step);
+      wait_sends(1, step, "sparse gather");
+      // The machine barrier: local rank 0 says when the table holds the step.
+      std::uint64_t done = 0;
+      world_.recv(receive_, member(machine_, 0), tag(step, release), std::as_writable_bytes(std::span(&done, 1)));
+      wait(receive_, member(machine_, 0), step, "sparse step barrier");
+      return report;
+    }
+    // Local rank 0: the machine's sets, in local rank order.
+    receive_sets(step, dim, local_count_, /*self=*/0, [&](int l) { return member(machine_, l); }, "sparse gather");
+    merge(local_count_, 0, own_, machine_set_, dim);
+    report.machine_keys = machine_set_.keys.size();
+    // The machines' partial sets, to and from every other machine's local rank 0.
+    if (machine_count_ > 1) {
+      pack(machine_set_, dim);
+      int posted = 0;
+      for (int m = 0; m < machine_count_; ++m)
+        if (m != machine_) report.bytes_sent += post_set(posted++, member(m, 0), step);
+      receive_sets(step, dim, machine_count_, machine_, [&](int m) { return member(m, 0); }, "sparse allgather");
+      wait_sends(posted, step, "sparse allgather");
+      merge(machine_count_, machine_, machine_set_, step_set_, dim);
+    } else {
+      std::swap(step_set_, machine_set_);
+    }
+    report.step_keys = step_set_.keys.size();
+    divide(step_set_, dim);
+    table_.apply(step_set_.keys, step_set_.values);
+    const std::uint64_t done = step;
+    for (int l = 1; l < local_count_; ++l) {
+      world_.send(sends_[static_cast<std::size_t>(l)], member(machine_, l), tag(step, release),
+                  std::as_bytes(std::span(&done, 1)));
+    }
+    for (int l = 1; l < local_count_; ++l)
+      wait(sends_[static_cast<std::size_t>(l)], member(machine_, l), step, "sparse step barrier");
+    return report;
+  }
+
+ private:
+  // Offsets from ControlMessage::sparse: a set's size, its payload, the barrier.
+  static constexpr std::uint32_t set_size = 0, set_payload = 1, release = 2;
+  // A set larger than this is refused before anything is allocated for it.
+  static constexpr std::uint64_t max_set_bytes = std::uint64_t{1} << 32;
+
+  std::uint64_t tag(std::uint64_t step, std::uint32_t offset) const {
+    return engine::control_tag(step, engine::ControlMessage::sparse, offset);
+  }
+  int member(int machine, int local) const { return group_.members[static_cast<std::size_t>(machine * local_count_ + local)]; }
+
+  // Sums repeated keys of one trainer, in key order, each key's rows in the order given.
+  void sum_duplicates(std::span<const std::uint64_t> keys, std::span<const float> gradients, std::size_t dim, RowSet& out) {
+    order_.clear();
+    for (std::size_t i = 0; i < keys.size(); ++i) order_.emplace_back(keys[i], i);
+    std::sort(order_.begin(), order_.end());
+    out.clear();
+    for (const auto& [key, i] : order_) {
+      const float* row = gradients.data() + i * dim;
+      if (out.keys.empty() || out.keys.back() != key) {
+        out.keys.push_back(key);
+        out.counts.push_back(1);
+        out.values.insert(out.values.end(), row, row + dim);
+      } else {
+        float* sum = out.values.data() + out.values.size() - dim;
+        for (std::size_t j = 0; j < dim; ++j) sum[j] += row[j];
+      }
+    }
+  }
+
+  // A set travels as two messages: its key count, then keys, counts and values in one payload.
+  // pack() fills the outgoing buffer once; post_set() sends it (as sends number `index`).
+  static std::size_t payload_bytes(std::uint64_t count, std::size_t dim) {
+    return count * (sizeof(std::uint64_t) + sizeof(std::uint32_t) + dim * sizeof(float));
+  }
+
+  void pack(const RowSet& set, std::size_t dim) {
+    const std::size_t n = set.keys.size();
+    count_out_ = n;
+    outgoing_.resize(payload_bytes(n, dim));
+    std::byte* p = outgoing_.data();
+    std::memcpy(p, set.keys.data(), n * sizeof(std::uint64_t));
+    std::memcpy(p + n * sizeof(std::uint64_t), set.counts.data(), n * sizeof(std::uint32_t));
+    std::memcpy(p + n * (sizeof(std::uint64_t) + sizeof(std::uint32_t)), set.values.data(), n * dim * sizeof(float));
+  }
+
+  std::size_t post_set(int index, int peer, std::uint64_t step) {
+    const auto first = static_cast<std::size_t>(2 * index);
+    world_.send(sends_[first], peer, tag(step, set_size), std::as_bytes(std::span(&count_out_, 1)));
+    world_.send(sends_[first + 1], peer, tag(step, set_payload), std::as_bytes(std::span(outgoing_)));
+    send_peers_[first] = send_peers_[first + 1] = peer;
+    return sizeof count_out_ + outgoing_.size();
+  }
+
+  void wait_sends(int sets, std::uint64_t step, const char* operation) {
+    for (std::size_t i = 0; i < static_cast<std::size_t>(2 * sets); ++i) wait(sends_[i], send_peers_[i], step, operation);
+  }
+
+  // Receives a set from each of `count` peers (index i from peer_of(i)), all but `self`, into
+  // received_[i], in index order.
+  template <class PeerOf>
+  void receive_sets(std::uint64_t step, std::size_t dim, int count, int self, PeerOf peer_of, const char* operation) {
+    for (int i = 0; i < count; ++i) {
+      if (i == self) continue;
+      const auto at = static_cast<std::size_t>(i);
+      const int peer = peer_of(i);
+      world_.recv(receive_, peer, tag(step, set_size), std::as_writable_bytes(std::span(&sizes_[at], 1)));
+      if (wait(receive_, peer, step, operation) != sizeof(std::uint64_t) || payload_bytes(sizes_[at], dim) > max_set_bytes)
+        throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
+                    fmt::format("step {}: a sparse set of {} keys announced (limit {} bytes)", step, sizes_[at],
+                                max_set_bytes));
+      incoming_.resize(payload_bytes(sizes_[at], dim));
+      world_.recv(receive_, peer, tag(step, set_payload), std::as_writable_bytes(std::span(incoming_)));
+      if (wait(receive_, peer, step, operation) != incoming_.size())
+        throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
+                    fmt::format("step {}: a sparse set shorter than the {} keys announced", step, sizes_[at]));
+      unpack(sizes_[at], dim, received_[at], peer, operation);
+    }
+  }
+
+  void unpack(std::uint64_t n, std::size_t dim, RowSet& set, int peer, const char* operation) {
+    set.keys.resize(n);
+    set.counts.resize(n);
+    set.values.resize(n * dim);
+    const std::byte* p = incoming_.data();
+    std::memcpy(set.keys.data(), p, n * sizeof(std::uint64_t));
+    std::memcpy(set.counts.data(), p + n * sizeof(std::uint64_t), n * sizeof(std::uint32_t));
+    std::memcpy(set.values.data(), p + n * (sizeof(std::uint64_t) + sizeof(std::uint32_t)), n * dim * sizeof(float));
+    for (std::size_t i = 1; i < n; ++i)
+      if (set.keys[i - 1] >= set.keys[i])
+        throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
+                    "a sparse set's keys are not sorted and distinct");
+  }
+
+  // received_[0 .. count), with `mine` in place of received_[self], summed in index order.
+  void merge(int count, int self, const RowSet& mine, RowSet& out, std::size_t dim) {
+    inputs_.clear();
+    for (int i = 0; i < count; ++i) inputs_.push_back(i == self ? &mine : &received_[static_cast<std::size_t>(i)]);
+    detail::merge_sets(inputs_, dim, out, merge_order_);
+  }
+
+  void divide(RowSet& set, std::size_t dim) const {
+    for (std::size_t i = 0; i < set.keys.size(); ++i) {
+      float divisor = 1;
+      if (options_.averaging == Averaging::occurrence) divisor = static_cast<float>(set.counts[i]);
+      if (options_.averaging == Averaging::world_size) divisor = static_cast<float>(group_.size());
+      if (divisor == 1) continue;
+      for (std::size_t j = 0; j < dim; ++j) set.values[i * dim + j] /= divisor;
+    }
+  }
+
+  std::size_t wait(typename X::Request& request, int peer, std::uint64_t step, const char* operation) {
+    try {
+      return world_.wait(request, std::chrono::steady_clock::now() + options_.timeout);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::timeout) throw;
+      throw Error(ErrorKind::timeout, {.rank = group_.rank, .peer = peer, .operation = operation},
+                  fmt::format("step {}: no answer within {} ms", step, options_.timeout.count()));
+    }
+  }
+
+  X& world_;
+  Group group_;
+  int local_count_;
+  int machine_count_ = 1;
+  int machine_ = 0;
+  int local_ = 0;
+  EmbeddingTable& table_;
+  SparseOptions options_;
+  std::uint64_t step_ = 0;
+  std::vector<typename X::Request> sends_;  // two per set sent; the barrier's releases
+  std::vector<int> send_peers_;
+  typename X::Request receive_;
+  std::uint64_t count_out_ = 0;
+  std::vector<std::byte> outgoing_, incoming_;
+  std::vector<std::uint64_t> sizes_;
+  RowSet own_, machine_set_, step_set_;
+  std::vector<RowSet> received_;
+  std::vector<const RowSet*> inputs_;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> order_, merge_order_;
 };
 
 }  // namespace gradsync::sparse

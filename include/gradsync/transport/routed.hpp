@@ -63,6 +63,8 @@ class Routed {
   }
   // This machine's ranks: [first_rank, first_rank + local_size).
   int first_rank() const noexcept { return first_rank_; }
+  // The machine's own transport, for what only it offers (SharedMemory's shared blocks).
+  Local& local() noexcept { return local_; }
   int local_size() const noexcept { return local_.size(); }
 
   void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {

@@ -118,6 +118,11 @@ class SharedMemory {
   void deallocate(std::span<std::byte> block) noexcept;
   // Whether `bytes` lies in this machine's shared segment (an arena block, or part of one).
   bool shared(std::span<const std::byte> bytes) const noexcept;
+  // Where shared bytes lie in the segment, the same number in every local rank, and the bytes at
+  // such an offset in this rank's mapping: how one rank hands another a block of its arena
+  // (sparse::EmbeddingTable). Errors for bytes outside the segment.
+  std::uint64_t offset_of(std::span<const std::byte> bytes) const;
+  std::span<std::byte> at_offset(std::uint64_t offset, std::size_t bytes) const;
 
  private:
   std::unique_ptr<detail::SharedMemoryEngine> engine_;
