@@ -88,6 +88,31 @@ case $name in
       --topology parameter-server --servers 1 --seed 7 2>&1)
     if [[ $message == *"$work/no-data"* ]]; then echo "accepted: got as far as the data"; else fail "fmnist: $message"; fi
     ;;
+  ctr)
+    refuses --epochs --epochs 0
+    refuses --batch --batch -1
+    refuses --lr --lr nan
+    refuses --sparse-lr --sparse-lr 0
+    refuses --optimizer --optimizer adam
+    refuses --dim --dim 0
+    refuses --rows --rows 1e6
+    refuses --hidden --hidden 64,0
+    refuses --averaging --averaging mean
+    refuses --min-class --min-class 0
+    refuses --steps --steps -1
+    refuses --seed --seed x
+    message=$("$program" --data "$work/no-index" 2>&1)
+    if [[ $message == *"$work/no-index"* ]]; then echo "accepted: got as far as the data"; else fail "ctr: $message"; fi
+    # A small index of its own: two sections, the words telling them apart.
+    for i in $(seq 1 60); do
+      printf 'Package: p%d\nSection: %s\nPriority: optional\nDescription: word%d\n\n' "$i" \
+        "$( ((i % 2)) && echo games || echo contrib/utils)" $((i % 2))
+    done >"$work/index"
+    refuses --rows --data "$work/index" --min-class 1 --rows 2
+    succeeds --data "$work/index" --min-class 1 --rows 64 --batch 4 --epochs 2 --dim 4 --hidden 8 --optimizer sgd \
+      --averaging world-size --json "$work/ctr.json"
+    valid_json "$work/ctr.json" 'd["classes"] == ["games", "utils"] and len(d["epochs"]) == 2 and d["machine_trainers"] == 1 and d["machine_pss_bytes"] > 0 and d["table_bytes"] > 0'
+    ;;
   allreduce)
     refuses --ranks --ranks 4x
     refuses --ranks --ranks 0

@@ -1,0 +1,345 @@
+// ctr — issue 17's sparse-embedding trainer: predicts a Debian package's Section from hashed
+// features of its entry in the package index (packages.hpp), through an embedding table of 2^20
+// rows held once per machine (sparse::EmbeddingTable), mean-pooled, and a small MLP (model.hpp).
+//
+//   gradsync-run -n 4 ctr [--epochs E] [--batch B] [--lr R] [--sparse-lr R] [--optimizer sgd|adagrad]
+//                         [--dim D] [--rows N] [--hidden 64] [--averaging occurrence|world-size|none]
+//                         [--min-class N] [--steps S] [--data FILE] [--json PATH] [--seed N]
+//
+// One process per rank, placed by the launcher's variables; run without a launcher it trains
+// alone. The MLP's gradients are averaged by a Synchronizer over the whole job; the rows' gradients
+// go through sparse::SparseExchange, which updates every machine's table. Rank 0 prints progress
+// and each epoch's test accuracy; --json also records one table's bytes and the memory (Pss) of
+// rank 0's machine's trainers at the end, which is what holding the table once per machine saves.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/gradsync.hpp"
+#include "gradsync/sparse/embedding_table.hpp"
+#include "gradsync/sparse/exchange.hpp"
+#include "gradsync/transport/borrowed.hpp"
+#include "model.hpp"
+#include "packages.hpp"
+#include "toolkit/connect.hpp"
+#include "toolkit/json.hpp"
+#include "toolkit/options.hpp"
+
+namespace {
+
+namespace gs = gradsync;
+namespace tk = gradsync::toolkit;
+
+using DenseSync = gs::Synchronizer<gs::bucketing::FixedSize, gs::compression::None, gs::topology::Ring,
+                                   gs::transport::Borrowed<tk::JobTransport>>;
+using Exchange = gs::sparse::SparseExchange<tk::JobTransport>;
+
+constexpr auto timeout = std::chrono::minutes(2);
+
+struct Options {
+  int epochs = 1;
+  std::size_t batch = 64;  // per rank
+  float learning_rate = 0.1f;
+  float sparse_learning_rate = 0.05f;
+  std::string optimizer = "adagrad";
+  int dim = 16;
+  std::size_t rows = std::size_t{1} << 20;
+  std::vector<std::size_t> hidden{64};
+  std::string averaging = "occurrence";
+  std::size_t min_class = 100;
+  std::size_t max_steps = 0;  // per epoch; 0: the whole training set
+  std::string data;           // empty: apt-cache dumpavail
+  std::string json;
+  std::uint64_t seed = 1;
+};
+
+void declare_options(CLI::App& app, Options& o) {
+  tk::add_number(app, "--epochs", o.epochs, "passes over the training set", {.low = 1});
+  tk::add_number(app, "--batch", o.batch, "packages per step, per rank", {.low = 1});
+  tk::add_number(app, "--lr", o.learning_rate, "the MLP's learning rate (SGD)", {.low = 0, .low_open = true});
+  tk::add_number(app, "--sparse-lr", o.sparse_learning_rate, "the embedding table's learning rate",
+                 {.low = 0, .low_open = true});
+  tk::add_choice(app, "--optimizer", o.optimizer, "how the table's rows follow their gradients", {"sgd", "adagrad"});
+  tk::add_number(app, "--dim", o.dim, "values per embedding row", {.low = 1, .high = 4096});
+  tk::add_number(app, "--rows", o.rows, "the table's capacity in rows (distinct keys)", {.low = 1});
+  app.add_option("--hidden", o.hidden, "the MLP's hidden layers' sizes, comma-separated")
+      ->capture_default_str()
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->transform(tk::number<std::size_t>({.low = 1}));
+  tk::add_choice(app, "--averaging", o.averaging, "what a row's summed gradient is divided by",
+                 {"occurrence", "world-size", "none"});
+  tk::add_number(app, "--min-class", o.min_class, "packages a section needs to be a class", {.low = 1});
+  tk::add_number(app, "--steps", o.max_steps, "steps per epoch (0: the whole training set)");
+  app.add_option("--data", o.data, "a package index as apt-cache dumpavail prints it (default: run it)");
+  app.add_option("--json", o.json, "also write the results as JSON to this file");
+  tk::add_number(app, "--seed", o.seed, "seeds the model, the table's initial rows and the shuffling");
+  app.footer("Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.");
+}
+
+struct EpochReport {
+  int epoch = 0;
+  std::size_t steps = 0;
+  double seconds = 0;
+  double samples_per_second = 0;  // global
+  double loss = 0;                // mean of this rank's batch losses
+  double test_accuracy = -1;      // -1 where not evaluated (ranks but 0)
+  double keys_per_step = 0;       // distinct keys of a whole step, on average (local ranks 0)
+  std::uint64_t dense_bytes_sent = 0;   // by this rank
+  std::uint64_t sparse_bytes_sent = 0;  // by this rank
+};
+
+// Every rank walks the same shuffled order; each global batch of ranks x batch packages is cut
+// into one shard per rank. A step: look the shard's rows up, forward and backward (the MLP's
+// gradients handed to the Synchronizer layer by layer as they are ready), the rows' gradients
+// through the exchange (which returns once this machine's table is updated), then the MLP's
+// average and its SGD step. Only rank 0 evaluates: the other ranks wait for it in the next step's
+// exchange, so no table is written while it reads.
+std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, DenseSync& sync, Exchange& exchange,
+                               gs::sparse::EmbeddingTable& table, ctr::Model& model) {
+  std::vector<std::pair<gs::GradId, gs::GradId>> ids;  // per layer: weights, bias
+  for (std::size_t l = 0; l < model.dense().layers().size(); ++l) {
+    fmnist::Layer& layer = model.dense().layers()[l];
+    ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", gs::view(layer.gw)),
+                     sync.add("fc" + std::to_string(l + 1) + ".bias", gs::view(layer.gb)));
+  }
+  const auto ranks = static_cast<std::size_t>(sync.size());
+  const auto rank = static_cast<std::size_t>(sync.rank());
+  const bool leader = rank == 0;
+  const std::size_t global = o.batch * ranks;
+  std::size_t steps = data.train.count() / global;
+  if (o.max_steps) steps = std::min(steps, o.max_steps);
+  if (steps == 0)
+    throw std::invalid_argument(fmt::format("--batch {} on {} ranks takes more than the {} training packages",
+                                            o.batch, ranks, data.train.count()));
+  const std::size_t dim = model.dim();
+  std::vector<std::size_t> order(data.train.count());
+  std::vector<std::uint64_t> keys(o.batch * data.max_keys);
+  std::vector<const float*> rows(keys.size());
+  std::vector<float> row_gradients(keys.size() * dim);
+  std::vector<std::size_t> offsets(o.batch + 1, 0);
+  std::vector<std::uint8_t> labels(o.batch);
+  std::vector<const float*> test_rows(leader ? data.test.keys.size() : 0);
+  std::vector<EpochReport> reports;
+  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::mt19937_64 shuffle(o.seed * 1000003u + static_cast<std::uint64_t>(epoch));
+    std::shuffle(order.begin(), order.end(), shuffle);
+    EpochReport report{.epoch = epoch, .steps = steps};
+    double loss_sum = 0, step_keys = 0;
+    std::size_t last_tenth = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (std::size_t step = 0; step < steps; ++step) {
+      std::size_t n = 0;
+      for (std::size_t s = 0; s < o.batch; ++s) {
+        const std::size_t example = order[step * global + rank * o.batch + s];
+        const auto example_keys = data.train.keys_of(example);
+        std::copy(example_keys.begin(), example_keys.end(), keys.begin() + static_cast<std::ptrdiff_t>(n));
+        n += example_keys.size();
+        offsets[s + 1] = n;
+        labels[s] = data.train.labels[example];
+      }
+      const std::span<const std::uint64_t> shard_keys(keys.data(), n);
+      const std::span<const float*> shard_rows(rows.data(), n);
+      const std::span<float> shard_gradients(row_gradients.data(), n * dim);
+      table.lookup(shard_keys, shard_rows);
+      loss_sum += model.train_step(shard_rows, offsets, labels.data(), shard_gradients, [&](std::size_t l) {
+        sync.ready(ids[l].first);
+        sync.ready(ids[l].second);
+      });
+      const gs::sparse::SparseStepReport sparse = exchange.step(shard_keys, shard_gradients);
+      sync.wait();
+      model.dense().sgd_step(o.learning_rate, 0.0f);
+      report.dense_bytes_sent += sync.last_iteration().bytes_sent;
+      report.sparse_bytes_sent += sparse.bytes_sent;
+      step_keys += static_cast<double>(sparse.step_keys);
+      // Every tenth of the epoch as a line: the trainer runs under launchers and in logs.
+      if (const std::size_t tenth = (step + 1) * 10 / steps; leader && (tenth != last_tenth || step + 1 == steps)) {
+        last_tenth = tenth;
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        fmt::print("epoch {} {:>6}/{} steps  {:>7.0f} samples/s  loss {:.4f}\n", epoch, step + 1, steps,
+                   static_cast<double>((step + 1) * global) / elapsed, loss_sum / static_cast<double>(step + 1));
+        std::fflush(stdout);
+      }
+    }
+    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    report.samples_per_second = static_cast<double>(steps * global) / report.seconds;
+    report.loss = loss_sum / static_cast<double>(steps);
+    report.keys_per_step = step_keys / static_cast<double>(steps);
+    if (leader && data.test.count()) {
+      table.lookup(data.test.keys, test_rows);
+      report.test_accuracy = static_cast<double>(model.correct(test_rows, data.test.offsets, data.test.labels.data())) /
+                             static_cast<double>(data.test.count());
+    }
+    reports.push_back(report);
+  }
+  return reports;
+}
+
+// A process's proportional set size: its private pages, plus each shared page divided by the
+// processes that map it, so that summing it over processes counts a shared table once.
+std::uint64_t pss_bytes(long pid) {
+  const std::string path = fmt::format("/proc/{}/smaps_rollup", pid);
+  std::ifstream file(path);
+  for (std::string line; std::getline(file, line);)
+    if (line.starts_with("Pss:")) return std::stoull(line.substr(4)) * 1024;  // "Pss:   12345 kB"
+  throw std::runtime_error(fmt::format("no Pss line in {}", path));
+}
+
+// The device and inode of the file mapped at `address` in /proc/<pid>/maps's line format
+// ("start-end perms offset device inode path"), or "" when nothing is.
+std::string mapping_at(std::uintptr_t address) {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string range, perms, offset, device, inode;
+    fields >> range >> perms >> offset >> device >> inode;
+    const std::size_t dash = range.find('-');
+    if (dash == std::string::npos) continue;
+    const std::uintptr_t start = std::stoull(range.substr(0, dash), nullptr, 16);
+    const std::uintptr_t end = std::stoull(range.substr(dash + 1), nullptr, 16);
+    if (address >= start && address < end) return device + " " + inode;
+  }
+  return "";
+}
+
+// This machine's trainers: the processes that map its shared-memory segment (where the table
+// lies), found by the segment's device and inode in every readable /proc/<pid>/maps. Every local
+// rank maps the segment and no other process can (its name is gone once they have), so this
+// needs no message of the program's own beside the library's.
+std::vector<long> machine_trainers(gs::transport::SharedMemory& machine) {
+  const std::string segment = mapping_at(reinterpret_cast<std::uintptr_t>(machine.at_offset(0, 1).data()));
+  if (segment.empty()) throw std::runtime_error("the shared-memory segment is not in /proc/self/maps");
+  std::vector<long> pids;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    std::ifstream maps(entry.path() / "maps");  // another user's process, or one gone: unreadable, skipped
+    for (std::string line; std::getline(maps, line);) {
+      std::istringstream fields(line);
+      std::string range, perms, offset, device, inode;
+      fields >> range >> perms >> offset >> device >> inode;
+      if (device + " " + inode == segment) {
+        pids.push_back(std::stol(name));
+        break;
+      }
+    }
+  }
+  return pids;
+}
+
+gs::sparse::Averaging averaging_named(const std::string& name) {
+  if (name == "world-size") return gs::sparse::Averaging::world_size;
+  if (name == "none") return gs::sparse::Averaging::none;
+  return gs::sparse::Averaging::occurrence;
+}
+
+int run(const Options& o) {
+  const ctr::Dataset data = ctr::make_dataset(ctr::parse_packages(ctr::read_dumpavail(o.data)), o.min_class);
+  if (data.classes.size() < 2)
+    throw ctr::DataError(fmt::format("the package index has {} section(s) of --min-class {} packages or more; "
+                                     "need 2", data.classes.size(), o.min_class));
+  if (data.distinct_keys > o.rows)
+    throw std::invalid_argument(
+        fmt::format("--rows {} cannot hold the training set's {} distinct keys", o.rows, data.distinct_keys));
+  tk::JobTransport world = tk::connect_or_alone();
+  const bool leader = world.rank() == 0;
+  const gs::sparse::EmbeddingOptions table_options{
+      .rows = o.rows,
+      .dim = o.dim,
+      .seed = o.seed,
+      .optimizer = o.optimizer == "sgd" ? gs::sparse::Optimizer::sgd : gs::sparse::Optimizer::adagrad,
+      .learning_rate = o.sparse_learning_rate,
+      .timeout = timeout};
+  gs::sparse::EmbeddingTable table(world.local(), table_options);
+  Exchange exchange(world, gs::Group::world(world.rank(), world.size()), world.local_size(), table,
+                    {.averaging = averaging_named(o.averaging), .timeout = timeout});
+  DenseSync sync(gs::transport::Borrowed<tk::JobTransport>(world), {.timeout = timeout});
+  ctr::Model model(static_cast<std::size_t>(o.dim), o.hidden, data.classes.size(), o.seed);
+  if (leader)
+    fmt::print("ctr: {} training and {} test packages in {} sections ({} dropped: sections under {} packages) | "
+               "{} distinct keys | table {} | {:.1f} MB a machine | MLP {}-{}-{} | {} ranks x batch {} | lr {}\n",
+               data.train.count(), data.test.count(), data.classes.size(), data.dropped, o.min_class,
+               data.distinct_keys, table_options.describe(), static_cast<double>(table.bytes()) / 1e6, o.dim,
+               fmt::join(o.hidden, "-"), data.classes.size(), sync.size(), o.batch, o.learning_rate);
+  const auto reports = train(o, data, sync, exchange, table, model);
+  // Measured at the end, by each machine's local rank 0, while the others wait for it in one last
+  // (empty) exchange step, the machine barrier, so that all of them are still there to measure.
+  std::uint64_t pss = 0;
+  std::size_t trainers = 0;
+  if (table.writer()) {
+    const std::vector<long> pids = machine_trainers(world.local());
+    trainers = pids.size();
+    for (const long pid : pids) pss += pss_bytes(pid);
+  }
+  exchange.step({}, {});
+  if (!leader) return 0;
+  for (const auto& r : reports)
+    fmt::print("epoch {}: test accuracy {:.4f} | loss {:.4f} | {:.1f} s, {:.0f} samples/s | {:.0f} distinct keys a "
+               "step | rank 0 sent {:.1f} MB dense, {:.1f} MB sparse\n",
+               r.epoch, r.test_accuracy, r.loss, r.seconds, r.samples_per_second, r.keys_per_step,
+               static_cast<double>(r.dense_bytes_sent) / 1e6, static_cast<double>(r.sparse_bytes_sent) / 1e6);
+  fmt::print("done: {} rows in the table ({:.1f} MB), this machine's {} trainer(s) hold {:.1f} MB (Pss)\n",
+             table.size(), static_cast<double>(table.bytes()) / 1e6, trainers, static_cast<double>(pss) / 1e6);
+  if (!o.json.empty()) {
+    tk::Json epochs = tk::Json::array();
+    for (const auto& r : reports)
+      epochs.push_back({{"epoch", r.epoch},
+                        {"steps", r.steps},
+                        {"seconds", tk::rounded(r.seconds, 3)},
+                        {"samples_per_second", tk::rounded(r.samples_per_second, 1)},
+                        {"loss", tk::rounded(r.loss, 5)},
+                        {"test_accuracy", tk::rounded(r.test_accuracy, 4)},
+                        {"keys_per_step", tk::rounded(r.keys_per_step, 1)},
+                        {"dense_bytes_sent", r.dense_bytes_sent},
+                        {"sparse_bytes_sent", r.sparse_bytes_sent}});
+    tk::write_json(o.json, {{"ranks", sync.size()},
+                            {"ranks_per_machine", world.local_size()},
+                            {"batch_per_rank", o.batch},
+                            {"train_packages", data.train.count()},
+                            {"test_packages", data.test.count()},
+                            {"classes", data.classes},
+                            {"distinct_keys", data.distinct_keys},
+                            {"table", table_options.describe()},
+                            {"rows", o.rows},
+                            {"dim", o.dim},
+                            {"hidden", o.hidden},
+                            {"learning_rate", tk::as_written(o.learning_rate)},
+                            {"sparse_learning_rate", tk::as_written(o.sparse_learning_rate)},
+                            {"optimizer", o.optimizer},
+                            {"averaging", o.averaging},
+                            {"seed", o.seed},
+                            {"epochs", epochs},
+                            {"table_keys", table.size()},
+                            {"table_bytes", table.bytes()},
+                            {"machine_trainers", trainers},
+                            {"machine_pss_bytes", pss}});
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Options o;
+  CLI::App app("Predicts a Debian package's section from its index entry, through a shared embedding table", "ctr");
+  declare_options(app, o);
+  if (!tk::parse_options(app, argc, argv)) return 0;
+  return run(o);
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "ctr: %s\n", e.what());
+  return 1;
+}
