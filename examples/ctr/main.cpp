@@ -72,7 +72,7 @@ void declare_options(CLI::App& app, Options& o) {
   tk::add_number(app, "--sparse-lr", o.sparse_learning_rate, "the embedding table's learning rate",
                  {.low = 0, .low_open = true});
   tk::add_choice(app, "--optimizer", o.optimizer, "how the table's rows follow their gradients", {"sgd", "adagrad"});
-  tk::add_number(app, "--dim", o.dim, "values per embedding row", {.low = 1, .high = 4096});
+  tk::add_number(app, "--dim", o.dim, "values per embedding row", {.low = 1});
   tk::add_number(app, "--rows", o.rows, "the table's capacity in rows (distinct keys)", {.low = 1});
   app.add_option("--hidden", o.hidden, "the MLP's hidden layers' sizes, comma-separated")
       ->capture_default_str()
