@@ -198,20 +198,28 @@ std::uint64_t pss_bytes(long pid) {
   throw std::runtime_error(fmt::format("no Pss line in {}", path));
 }
 
-// The device and inode of the file mapped at `address` in /proc/<pid>/maps's line format
-// ("start-end perms offset device inode path"), or "" when nothing is.
-std::string mapping_at(std::uintptr_t address) {
+// One line of /proc/<pid>/maps: "start-end perms offset device inode [path]".
+struct Mapping {
+  std::uintptr_t start = 0, end = 0;
+  std::string file;  // "device inode": the mapped file, whatever its path says (" (deleted)")
+};
+
+Mapping read_mapping(const std::string& line) {
+  std::istringstream fields(line);
+  std::string range, perms, offset, device, inode;
+  fields >> range >> perms >> offset >> device >> inode;
+  const std::size_t dash = range.find('-');
+  if (dash == std::string::npos) return {};
+  return {.start = std::stoull(range.substr(0, dash), nullptr, 16),
+          .end = std::stoull(range.substr(dash + 1), nullptr, 16),
+          .file = device + " " + inode};
+}
+
+// The file mapped at `address` in this process, or "".
+std::string file_mapped_at(std::uintptr_t address) {
   std::ifstream maps("/proc/self/maps");
-  for (std::string line; std::getline(maps, line);) {
-    std::istringstream fields(line);
-    std::string range, perms, offset, device, inode;
-    fields >> range >> perms >> offset >> device >> inode;
-    const std::size_t dash = range.find('-');
-    if (dash == std::string::npos) continue;
-    const std::uintptr_t start = std::stoull(range.substr(0, dash), nullptr, 16);
-    const std::uintptr_t end = std::stoull(range.substr(dash + 1), nullptr, 16);
-    if (address >= start && address < end) return device + " " + inode;
-  }
+  for (std::string line; std::getline(maps, line);)
+    if (const Mapping m = read_mapping(line); address >= m.start && address < m.end) return m.file;
   return "";
 }
 
@@ -220,7 +228,7 @@ std::string mapping_at(std::uintptr_t address) {
 // rank maps the segment and no other process can (its name is gone once they have), so this
 // needs no message of the program's own beside the library's.
 std::vector<long> machine_trainers(gs::transport::SharedMemory& machine) {
-  const std::string segment = mapping_at(reinterpret_cast<std::uintptr_t>(machine.at_offset(0, 1).data()));
+  const std::string segment = file_mapped_at(reinterpret_cast<std::uintptr_t>(machine.at_offset(0, 1).data()));
   if (segment.empty()) throw std::runtime_error("the shared-memory segment is not in /proc/self/maps");
   std::vector<long> pids;
   std::error_code error;
@@ -228,15 +236,11 @@ std::vector<long> machine_trainers(gs::transport::SharedMemory& machine) {
     const std::string name = entry.path().filename().string();
     if (name.empty() || !std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
     std::ifstream maps(entry.path() / "maps");  // another user's process, or one gone: unreadable, skipped
-    for (std::string line; std::getline(maps, line);) {
-      std::istringstream fields(line);
-      std::string range, perms, offset, device, inode;
-      fields >> range >> perms >> offset >> device >> inode;
-      if (device + " " + inode == segment) {
+    for (std::string line; std::getline(maps, line);)
+      if (read_mapping(line).file == segment) {
         pids.push_back(std::stol(name));
         break;
       }
-    }
   }
   return pids;
 }
