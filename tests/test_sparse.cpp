@@ -185,6 +185,53 @@ TEST_SUITE("sparse") {
     for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
   }
 
+  TEST_CASE("the dense path gives the sparse path's tables; the cost model goes dense when the rows are not sparse") {
+    // Whole-number gradients keep every sum exact, so the ring's summation order (dense) and the
+    // machine order (sparse) give the same bits.
+    const int machines = 3, local = 2, n = machines * local;
+    const std::uint64_t key_space = 64;
+    const auto train = [&](sparse::Density density) {
+      std::vector<std::string> lines;
+      const auto results = run_job(
+          machines, local,
+          {.key_space = key_space, .density = density, .timeout = 20s, .log = {}},
+          [&](int rank, RoutedWorld&, sparse::EmbeddingTable& table, auto& exchange) -> std::string {
+            std::mt19937 random(static_cast<unsigned>(rank) + 11u);
+            std::string choices;
+            for (int step = 0; step < 6; ++step) {
+              // Few keys for three steps, then nearly every key: the density changes.
+              const std::size_t count = step < 3 ? 3 : 60;
+              std::vector<std::uint64_t> keys(count);
+              std::vector<float> grads(count * dim);
+              for (auto& k : keys) k = random() % key_space;
+              for (auto& g : grads) g = static_cast<float>(static_cast<int>(random() % 9) - 4);
+              choices += exchange.step(keys, grads).dense ? 'D' : 'S';
+            }
+            std::vector<std::uint64_t> all(key_space);
+            for (std::uint64_t k = 0; k < key_space; ++k) all[k] = k;
+            return fmt::format("ok {} {}", rank % local == 0 ? choices : "-", contents(table, all));
+          });
+      for (const auto& r : results) CHECK_MESSAGE(r.report.starts_with("ok "), r.report);
+      return results;
+    };
+    const auto sparse_run = train(sparse::Density::sparse);
+    const auto dense_run = train(sparse::Density::dense);
+    const auto automatic = train(sparse::Density::automatic);
+    const auto table_of = [](const test::ChildResult& r) { return r.report.substr(r.report.rfind(' ') + 1); };
+    for (int rank = 0; rank < n; ++rank) {
+      CAPTURE(rank);
+      const auto r = static_cast<std::size_t>(rank);
+      CHECK(table_of(dense_run[r]) == table_of(sparse_run[r]));
+      CHECK(table_of(automatic[r]) == table_of(sparse_run[r]));
+      CHECK(table_of(sparse_run[r]) == table_of(sparse_run[0]));
+    }
+    CHECK(sparse_run[0].report.starts_with("ok SSSSSS "));
+    CHECK(dense_run[0].report.starts_with("ok DDDDDD "));
+    // 3 keys a trainer: 6 rows of 20 bytes per machine, against 2/3 x 64 x 5 x 4 bytes dense.
+    // 60 keys a trainer: nearly all 64 keys on every machine, sparse costs more than dense.
+    CHECK_MESSAGE(automatic[0].report.starts_with("ok SSSDDD "), automatic[0].report);
+  }
+
   TEST_CASE("the local ranks must agree on the table: what differs is named") {
     const std::uint16_t port = test::free_port();
     const std::string job = unique_job("mismatch");

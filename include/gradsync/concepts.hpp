@@ -31,7 +31,7 @@ namespace gradsync {
 //   - every registered gradient is in exactly one bucket, and no bucket is empty;
 //   - the gradients of a bucket share one accumulation dtype (types.hpp: f64 for f64 gradients,
 //     f32 for f32, f16 and bf16 ones), because a bucket is one flat buffer of that dtype;
-//   - there are at most engine::max_buckets (65,535) buckets, the bucket field of a message tag;
+//   - there are at most engine::max_buckets (65,534) buckets, the bucket field of a message tag;
 // and throws Error(invalid_argument) naming the policy otherwise. Every rank must run the same
 // plan: buckets launch strictly in plan order and the ranks pair their messages by bucket, so
 // initial_plan must be a pure function of the layout and the policy's fields (every rank computes

@@ -13,7 +13,9 @@
 namespace gradsync::engine {
 
 inline constexpr std::uint32_t control_bucket = 0xffff;
-inline constexpr std::size_t max_buckets = control_bucket;  // bucket ids 0..0xfffe
+// The bucket id of sparse::SparseExchange's dense path, an allreduce beside the Synchronizer's.
+inline constexpr std::uint32_t sparse_bucket = 0xfffe;
+inline constexpr std::size_t max_buckets = sparse_bucket;  // bucket ids 0..0xfffd
 
 constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, std::uint32_t message) noexcept {
   return ((iteration & 0xffffu) << 48) | (static_cast<std::uint64_t>(bucket & 0xffffu) << 32) | message;

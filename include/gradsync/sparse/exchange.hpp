@@ -38,11 +38,15 @@
 
 #include <fmt/format.h>
 
+#include "gradsync/compression/none.hpp"
 #include "gradsync/concepts.hpp"
+#include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/error.hpp"
+#include "gradsync/log.hpp"
 #include "gradsync/schedule.hpp"
 #include "gradsync/sparse/embedding_table.hpp"
+#include "gradsync/topology/ring.hpp"
 
 namespace gradsync::sparse {
 
@@ -53,9 +57,22 @@ enum class Averaging : std::uint8_t {
   none,        // the sum
 };
 
+// How the machines' rows travel between machines.
+enum class Density : std::uint8_t {
+  automatic,  // per step, whichever the cost model (below) predicts moves fewer bytes
+  sparse,     // always the sets of (key, count, row)
+  dense,      // always a dense allreduce of every key's row and count (needs key_space)
+};
+
 struct SparseOptions {
   Averaging averaging = Averaging::occurrence;
+  // Keys are below this (hashed features usually are), which makes the dense path possible: a
+  // ring allreduce among the machines of key_space x (dim + 1) values. 0: keys are any u64, and
+  // every step is sparse.
+  std::uint64_t key_space = 0;
+  Density density = Density::automatic;
   std::chrono::milliseconds timeout = std::chrono::seconds(60);
+  LogSink log = log_to_stderr;  // the density choice, when it changes (group rank 0 only)
 };
 
 // What one step moved, for logs and benchmarks.
@@ -64,6 +81,7 @@ struct SparseStepReport {
   std::size_t machine_keys = 0;  // distinct keys of this machine's trainers (local rank 0; else 0)
   std::size_t step_keys = 0;     // distinct keys of the whole step (local rank 0; else 0)
   std::size_t bytes_sent = 0;    // by this rank
+  bool dense = false;            // the machines exchanged rows densely this step
 };
 
 // A sorted set of distinct keys with their rows and, once merged, how many trainers held each.
@@ -132,6 +150,19 @@ class SparseExchange {
     send_peers_.assign(2 * most, -1);
     received_.resize(most);
     sizes_.resize(most);
+    if (options_.density == Density::dense && options_.key_space == 0)
+      throw Error(ErrorKind::invalid_argument, {.rank = group_.rank, .operation = "sparse exchange"},
+                  "Density::dense needs SparseOptions::key_space, the bound below which every key lies");
+    if (options_.key_space > 0 && local_ == 0 && machine_count_ > 1) {
+      std::vector<int> leaders;
+      for (int m = 0; m < machine_count_; ++m) leaders.push_back(member(m, 0));
+      leaders_ = Group::of(std::move(leaders), member(machine_, 0), "local ranks 0 across machines");
+      const std::size_t elements = options_.key_space * (static_cast<std::size_t>(table_.dim()) + 1);
+      Schedule schedule = topology::Ring{}.schedule(leaders_, elements, codec_traits<compression::None>());
+      schedule.contributors = 1;  // the sums: rows are divided per key afterwards, as on the sparse path
+      dense_exchange_ = engine::BucketExchange<compression::None, X>(std::move(schedule), compression::None{}, DType::f32);
+      dense_.resize(elements);
+    }
   }
 
   SparseExchange(const SparseExchange&) = delete;
@@ -153,7 +184,7 @@ class SparseExchange {
     const std::uint64_t step = step_++;
     if (local_ != 0) {
       pack(own_, dim);
-      report.bytes_sent += post_set(0, member(machine_, 0), step);
+      report.bytes_sent += post_size(0, member(machine_, 0), step) + post_payload(0, member(machine_, 0), step);
       wait_sends(1, step, "sparse gather");
       // The machine barrier: local rank 0 says when the table holds the step.
       std::uint64_t done = 0;
@@ -162,18 +193,35 @@ class SparseExchange {
       return report;
     }
     // Local rank 0: the machine's sets, in local rank order.
-    receive_sets(step, dim, local_count_, /*self=*/0, [&](int l) { return member(machine_, l); }, "sparse gather");
+    for (int l = 1; l < local_count_; ++l) {
+      receive_size(static_cast<std::size_t>(l), member(machine_, l), step, dim, "sparse gather");
+      receive_payload(static_cast<std::size_t>(l), member(machine_, l), step, dim, "sparse gather");
+    }
     merge(local_count_, 0, own_, machine_set_, dim);
     report.machine_keys = machine_set_.keys.size();
-    // The machines' partial sets, to and from every other machine's local rank 0.
+    // The machines' partial sets, to and from every other machine's local rank 0: first their
+    // sizes, which decide how the rows travel, then the rows.
     if (machine_count_ > 1) {
       pack(machine_set_, dim);
       int posted = 0;
       for (int m = 0; m < machine_count_; ++m)
-        if (m != machine_) report.bytes_sent += post_set(posted++, member(m, 0), step);
-      receive_sets(step, dim, machine_count_, machine_, [&](int m) { return member(m, 0); }, "sparse allgather");
+        if (m != machine_) report.bytes_sent += post_size(posted++, member(m, 0), step);
+      sizes_[static_cast<std::size_t>(machine_)] = machine_set_.keys.size();
+      for (int m = 0; m < machine_count_; ++m)
+        if (m != machine_) receive_size(static_cast<std::size_t>(m), member(m, 0), step, dim, "sparse allgather");
       wait_sends(posted, step, "sparse allgather");
-      merge(machine_count_, machine_, machine_set_, step_set_, dim);
+      report.dense = dense_this_step(dim);
+      if (report.dense) {
+        report.bytes_sent += allreduce_densely(step, dim);
+      } else {
+        posted = 0;
+        for (int m = 0; m < machine_count_; ++m)
+          if (m != machine_) report.bytes_sent += post_payload(posted++, member(m, 0), step);
+        for (int m = 0; m < machine_count_; ++m)
+          if (m != machine_) receive_payload(static_cast<std::size_t>(m), member(m, 0), step, dim, "sparse allgather");
+        wait_sends(posted, step, "sparse allgather");
+        merge(machine_count_, machine_, machine_set_, step_set_, dim);
+      }
     } else {
       std::swap(step_set_, machine_set_);
     }
@@ -236,38 +284,96 @@ class SparseExchange {
     std::memcpy(p + n * (sizeof(std::uint64_t) + sizeof(std::uint32_t)), set.values.data(), n * dim * sizeof(float));
   }
 
-  std::size_t post_set(int index, int peer, std::uint64_t step) {
-    const auto first = static_cast<std::size_t>(2 * index);
-    world_.send(sends_[first], peer, tag(step, set_size), std::as_bytes(std::span(&count_out_, 1)));
-    world_.send(sends_[first + 1], peer, tag(step, set_payload), std::as_bytes(std::span(outgoing_)));
-    send_peers_[first] = send_peers_[first + 1] = peer;
-    return sizeof count_out_ + outgoing_.size();
+  std::size_t post_size(int index, int peer, std::uint64_t step) {
+    const auto at = static_cast<std::size_t>(2 * index);
+    world_.send(sends_[at], peer, tag(step, set_size), std::as_bytes(std::span(&count_out_, 1)));
+    send_peers_[at] = peer;
+    return sizeof count_out_;
+  }
+  std::size_t post_payload(int index, int peer, std::uint64_t step) {
+    const auto at = static_cast<std::size_t>(2 * index + 1);
+    world_.send(sends_[at], peer, tag(step, set_payload), std::as_bytes(std::span(outgoing_)));
+    send_peers_[at] = peer;
+    return outgoing_.size();
   }
 
+  // Waits for what was posted of the first `sets` sets (a size and, if posted, a payload each).
   void wait_sends(int sets, std::uint64_t step, const char* operation) {
-    for (std::size_t i = 0; i < static_cast<std::size_t>(2 * sets); ++i) wait(sends_[i], send_peers_[i], step, operation);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(2 * sets); ++i) {
+      if (send_peers_[i] < 0) continue;
+      wait(sends_[i], send_peers_[i], step, operation);
+      send_peers_[i] = -1;
+    }
   }
 
-  // Receives a set from each of `count` peers (index i from peer_of(i)), all but `self`, into
-  // received_[i], in index order.
-  template <class PeerOf>
-  void receive_sets(std::uint64_t step, std::size_t dim, int count, int self, PeerOf peer_of, const char* operation) {
-    for (int i = 0; i < count; ++i) {
-      if (i == self) continue;
-      const auto at = static_cast<std::size_t>(i);
-      const int peer = peer_of(i);
-      world_.recv(receive_, peer, tag(step, set_size), std::as_writable_bytes(std::span(&sizes_[at], 1)));
-      if (wait(receive_, peer, step, operation) != sizeof(std::uint64_t) || payload_bytes(sizes_[at], dim) > max_set_bytes)
-        throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
-                    fmt::format("step {}: a sparse set of {} keys announced (limit {} bytes)", step, sizes_[at],
-                                max_set_bytes));
-      incoming_.resize(payload_bytes(sizes_[at], dim));
-      world_.recv(receive_, peer, tag(step, set_payload), std::as_writable_bytes(std::span(incoming_)));
-      if (wait(receive_, peer, step, operation) != incoming_.size())
-        throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
-                    fmt::format("step {}: a sparse set shorter than the {} keys announced", step, sizes_[at]));
-      unpack(sizes_[at], dim, received_[at], peer, operation);
+  // A set from `peer` into received_[at]: its size, then its payload.
+  void receive_size(std::size_t at, int peer, std::uint64_t step, std::size_t dim, const char* operation) {
+    world_.recv(receive_, peer, tag(step, set_size), std::as_writable_bytes(std::span(&sizes_[at], 1)));
+    if (wait(receive_, peer, step, operation) != sizeof(std::uint64_t) || payload_bytes(sizes_[at], dim) > max_set_bytes)
+      throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
+                  fmt::format("step {}: a sparse set of {} keys announced (limit {} bytes)", step, sizes_[at],
+                              max_set_bytes));
+  }
+  void receive_payload(std::size_t at, int peer, std::uint64_t step, std::size_t dim, const char* operation) {
+    incoming_.resize(payload_bytes(sizes_[at], dim));
+    world_.recv(receive_, peer, tag(step, set_payload), std::as_writable_bytes(std::span(incoming_)));
+    if (wait(receive_, peer, step, operation) != incoming_.size())
+      throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
+                  fmt::format("step {}: a sparse set shorter than the {} keys announced", step, sizes_[at]));
+    unpack(sizes_[at], dim, received_[at], peer, operation);
+  }
+
+  // The cost model, on what every machine's local rank 0 knows alike (every machine's set size),
+  // so that all choose the same. Both paths cross the same links, so bytes stand for time. Sparse:
+  // the busiest machine sends its set to M-1 machines or receives theirs (full duplex: the larger).
+  // Dense: a ring allreduce sends and receives 2(M-1)/M of key_space x (dim + 1) values each.
+  bool dense_this_step(std::size_t dim) {
+    if (options_.density != Density::automatic) return options_.density == Density::dense;
+    if (options_.key_space == 0) return false;
+    const auto m = static_cast<double>(machine_count_);
+    double total = 0, busiest = 0;
+    for (int i = 0; i < machine_count_; ++i) total += static_cast<double>(sizes_[static_cast<std::size_t>(i)]);
+    for (int i = 0; i < machine_count_; ++i) {
+      const auto own = static_cast<double>(sizes_[static_cast<std::size_t>(i)]);
+      busiest = std::max({busiest, (m - 1) * own, total - own});
     }
+    const double sparse_bytes = busiest * static_cast<double>(payload_bytes(1, dim));
+    const double dense_bytes = 2 * (m - 1) / m * static_cast<double>(dense_.size() * sizeof(float));
+    const bool dense = dense_bytes < sparse_bytes;
+    if (dense != was_dense_ && group_.rank == 0)
+      log_line(options_.log, fmt::format("gradsync sparse: from step {} rows cross machines {} (sparse {:.0f} bytes "
+                                         "on the busiest link, dense {:.0f})",
+                                         step_ - 1, dense ? "densely" : "as sparse sets", sparse_bytes, dense_bytes));
+    was_dense_ = dense;
+    return dense;
+  }
+
+  // Every key's summed row and count as key_space x (dim + 1) values, summed over the machines by
+  // a ring; then the keys some trainer held, in key order, as the sparse path leaves them.
+  std::size_t allreduce_densely(std::uint64_t step, std::size_t dim) {
+    const std::size_t width = dim + 1;
+    std::fill(dense_.begin(), dense_.end(), 0.0f);
+    for (std::size_t i = 0; i < machine_set_.keys.size(); ++i) {
+      const std::uint64_t key = machine_set_.keys[i];
+      if (key >= options_.key_space)
+        throw Error(ErrorKind::invalid_argument, {.rank = group_.rank, .operation = "sparse exchange"},
+                    fmt::format("key {} is not below SparseOptions::key_space ({})", key, options_.key_space));
+      float* row = dense_.data() + key * width;
+      std::copy_n(machine_set_.values.data() + i * dim, dim, row);
+      row[dim] = static_cast<float>(machine_set_.counts[i]);
+    }
+    const engine::ExchangeStats stats = dense_exchange_.run(
+        std::span(dense_), compression::None{}, world_,
+        {.group = leaders_, .iteration = step, .bucket = engine::sparse_bucket, .timeout = options_.timeout});
+    step_set_.clear();
+    for (std::uint64_t key = 0; key < options_.key_space; ++key) {
+      const float* row = dense_.data() + key * width;
+      if (row[dim] == 0) continue;
+      step_set_.keys.push_back(key);
+      step_set_.counts.push_back(static_cast<std::uint32_t>(row[dim]));
+      step_set_.values.insert(step_set_.values.end(), row, row + dim);
+    }
+    return stats.bytes_sent;
   }
 
   void unpack(std::uint64_t n, std::size_t dim, RowSet& set, int peer, const char* operation) {
@@ -330,6 +436,11 @@ class SparseExchange {
   std::vector<RowSet> received_;
   std::vector<const RowSet*> inputs_;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> order_, merge_order_;
+  // The dense path (local ranks 0, with a key_space and several machines).
+  Group leaders_;
+  engine::BucketExchange<compression::None, X> dense_exchange_;
+  std::vector<float> dense_;
+  bool was_dense_ = false;
 };
 
 }  // namespace gradsync::sparse
