@@ -269,6 +269,7 @@ int run(const Options& o) {
       .learning_rate = o.sparse_learning_rate,
       .timeout = timeout};
   gs::sparse::EmbeddingTable table(world.local(), table_options);
+  // No key_space: the keys are whole 64-bit hashes, so the machines always exchange sparse sets.
   Exchange exchange(world, gs::Group::world(world.rank(), world.size()), world.local_size(), table,
                     {.averaging = averaging_named(o.averaging), .timeout = timeout});
   DenseSync sync(gs::transport::Borrowed<tk::JobTransport>(world), {.timeout = timeout});
