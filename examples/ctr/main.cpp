@@ -4,7 +4,7 @@
 //
 //   gradsync-run -n 4 ctr [--epochs E] [--batch B] [--lr R] [--sparse-lr R] [--optimizer sgd|adagrad]
 //                         [--dim D] [--rows N] [--hidden 64] [--averaging occurrence|world-size|none]
-//                         [--min-class N] [--steps S] [--data FILE] [--json PATH] [--seed N]
+//                         [--table shared|replicated] [--min-class N] [--steps S] [--data FILE] [--json PATH] [--seed N]
 //
 // One process per rank, placed by the launcher's variables; run without a launcher it trains
 // alone. The MLP's gradients are averaged by a Synchronizer over the whole job; the rows' gradients
@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -58,6 +59,7 @@ struct Options {
   std::size_t rows = std::size_t{1} << 20;
   std::vector<std::size_t> hidden{64};
   std::string averaging = "occurrence";
+  std::string table = "shared";
   std::size_t min_class = 100;
   std::size_t max_steps = 0;  // per epoch; 0: the whole training set
   std::string data;           // empty: apt-cache dumpavail
@@ -81,6 +83,10 @@ void declare_options(CLI::App& app, Options& o) {
       ->transform(tk::number<std::size_t>({.low = 1}));
   tk::add_choice(app, "--averaging", o.averaging, "what a row's summed gradient is divided by",
                  {"occurrence", "world-size", "none"});
+  tk::add_choice(app, "--table", o.table,
+                 "shared: one table a machine, in shared memory, written by local rank 0; replicated: every "
+                 "trainer holds and updates its own copy (the baseline the shared table saves memory against)",
+                 {"shared", "replicated"});
   tk::add_number(app, "--min-class", o.min_class, "packages a section needs to be a class", {.low = 1});
   tk::add_number(app, "--steps", o.max_steps, "steps per epoch (0: the whole training set)");
   app.add_option("--data", o.data, "a package index as apt-cache dumpavail prints it (default: run it)");
@@ -99,6 +105,7 @@ struct EpochReport {
   double keys_per_step = 0;       // distinct keys of a whole step, on average (local ranks 0)
   std::uint64_t dense_bytes_sent = 0;   // by this rank
   std::uint64_t sparse_bytes_sent = 0;  // by this rank
+  double sparse_seconds = 0;            // in the sparse exchange, on this rank
 };
 
 // Every rank walks the same shuffled order; each global batch of ranks x batch packages is cut
@@ -159,7 +166,9 @@ std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, Dense
         sync.ready(ids[l].first);
         sync.ready(ids[l].second);
       });
+      const auto exchange_started = std::chrono::steady_clock::now();
       const gs::sparse::SparseStepReport sparse = exchange.step(shard_keys, shard_gradients);
+      report.sparse_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - exchange_started).count();
       sync.wait();
       model.dense().sgd_step(o.learning_rate, 0.0f);
       report.dense_bytes_sent += sync.last_iteration().bytes_sent;
@@ -268,9 +277,17 @@ int run(const Options& o) {
       .optimizer = o.optimizer == "sgd" ? gs::sparse::Optimizer::sgd : gs::sparse::Optimizer::adagrad,
       .learning_rate = o.sparse_learning_rate,
       .timeout = timeout};
-  gs::sparse::EmbeddingTable table(world.local(), table_options);
+  // Replicated: a shared-memory segment of this process alone holds its own table, and the
+  // exchange counts every trainer as a machine of one, so every trainer applies every update.
+  std::optional<gs::transport::SharedMemory> own_segment;
+  if (o.table == "replicated") {
+    const std::string job = fmt::format("ctr-replica-{}", ::getpid());
+    own_segment.emplace(gs::transport::SharedMemoryOptions{.job = job, .token = job});
+  }
+  const bool replicated = own_segment.has_value();
+  gs::sparse::EmbeddingTable table(replicated ? *own_segment : world.local(), table_options);
   // No key_space: the keys are whole 64-bit hashes, so the machines always exchange sparse sets.
-  Exchange exchange(world, gs::Group::world(world.rank(), world.size()), world.local_size(), table,
+  Exchange exchange(world, gs::Group::world(world.rank(), world.size()), replicated ? 1 : world.local_size(), table,
                     {.averaging = averaging_named(o.averaging), .timeout = timeout});
   DenseSync sync(gs::transport::Borrowed<tk::JobTransport>(world), {.timeout = timeout});
   ctr::Model model(static_cast<std::size_t>(o.dim), o.hidden, data.classes.size(), o.seed);
@@ -285,7 +302,7 @@ int run(const Options& o) {
   // (empty) exchange step, the machine barrier, so that all of them are still there to measure.
   std::uint64_t pss = 0;
   std::size_t trainers = 0;
-  if (table.writer()) {
+  if (world.local().rank() == 0) {
     const std::vector<long> pids = machine_trainers(world.local());
     trainers = pids.size();
     for (const long pid : pids) pss += pss_bytes(pid);
@@ -310,7 +327,8 @@ int run(const Options& o) {
                         {"test_accuracy", tk::rounded(r.test_accuracy, 4)},
                         {"keys_per_step", tk::rounded(r.keys_per_step, 1)},
                         {"dense_bytes_sent", r.dense_bytes_sent},
-                        {"sparse_bytes_sent", r.sparse_bytes_sent}});
+                        {"sparse_bytes_sent", r.sparse_bytes_sent},
+                        {"sparse_seconds", tk::rounded(r.sparse_seconds, 4)}});
     tk::write_json(o.json, {{"ranks", sync.size()},
                             {"ranks_per_machine", world.local_size()},
                             {"batch_per_rank", o.batch},
@@ -326,6 +344,7 @@ int run(const Options& o) {
                             {"sparse_learning_rate", tk::as_written(o.sparse_learning_rate)},
                             {"optimizer", o.optimizer},
                             {"averaging", o.averaging},
+                            {"table_placement", o.table},
                             {"seed", o.seed},
                             {"epochs", epochs},
                             {"table_keys", table.size()},

@@ -89,6 +89,7 @@ case $name in
     if [[ $message == *"$work/no-data"* ]]; then echo "accepted: got as far as the data"; else fail "fmnist: $message"; fi
     ;;
   ctr)
+    refuses --table --table elsewhere
     refuses --epochs --epochs 0
     refuses --batch --batch -1
     refuses --lr --lr nan
@@ -144,6 +145,15 @@ case $name in
     refuses --min-mib --min-mib 2 --max-mib 1
     succeeds --min-mib 1 --max-mib 1 --iters 1 --codec fp16 top-k --json "$work/codecs.json"
     valid_json "$work/codecs.json" '[r["codec"] for r in d] == ["fp16", "top-k"] and d[0]["bytes"] == 1 << 20'
+    ;;
+  sparse)
+    refuses --keys --keys 0
+    refuses --key-space --key-space x
+    refuses --dim --dim 0
+    refuses --iters --iters 0
+    refuses --modes --modes sparse,zip
+    succeeds --keys 64 --key-space 4096 --dim 4 --iters 2 --warmup 1 --modes sparse,dense,table --json "$work/sparse.json"
+    valid_json "$work/sparse.json" '[r["mode"] for r in d] == ["sparse", "dense", "table"] and d[0]["ranks"] == 1 and d[0]["time_ms"] > 0'
     ;;
   replay)
     trace=$traces/resnet50.trace
