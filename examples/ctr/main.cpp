@@ -12,6 +12,7 @@
 // and each epoch's test accuracy; --json also records one table's bytes and the memory (Pss) of
 // rank 0's machine's trainers at the end, which is what holding the table once per machine saves.
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -198,13 +199,24 @@ std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, Dense
 }
 
 // A process's proportional set size: its private pages, plus each shared page divided by the
-// processes that map it, so that summing it over processes counts a shared table once.
-std::uint64_t pss_bytes(long pid) {
+// processes that map it, so that summing it over processes counts a shared table once. Also its
+// part in shared memory alone (Pss_Shmem: the table, and the transport's segment), which tells
+// the table's share from what each trainer holds for itself (its data, heap, code).
+struct Pss {
+  std::uint64_t total = 0, shmem = 0;
+};
+
+Pss pss_of(long pid) {
   const std::string path = fmt::format("/proc/{}/smaps_rollup", pid);
   std::ifstream file(path);
-  for (std::string line; std::getline(file, line);)
-    if (line.starts_with("Pss:")) return std::stoull(line.substr(4)) * 1024;  // "Pss:   12345 kB"
-  throw std::runtime_error(fmt::format("no Pss line in {}", path));
+  Pss pss;
+  bool found = false;
+  for (std::string line; std::getline(file, line);) {  // "Pss:   12345 kB"
+    if (line.starts_with("Pss:")) pss.total = std::stoull(line.substr(4)) * 1024, found = true;
+    if (line.starts_with("Pss_Shmem:")) pss.shmem = std::stoull(line.substr(10)) * 1024;
+  }
+  if (!found) throw std::runtime_error(fmt::format("no Pss line in {}", path));
+  return pss;
 }
 
 // One line of /proc/<pid>/maps: "start-end perms offset device inode [path]".
@@ -262,6 +274,9 @@ gs::sparse::Averaging averaging_named(const std::string& name) {
 
 int run(const Options& o) {
   const ctr::Dataset data = ctr::make_dataset(ctr::parse_packages(ctr::read_dumpavail(o.data)), o.min_class);
+  // The index's text and parsed fields are gone by now, but the allocator keeps their pages; handing
+  // them back keeps each trainer's own memory to what it uses, beside the machine's shared table.
+  ::malloc_trim(0);
   if (data.classes.size() < 2)
     throw ctr::DataError(fmt::format("the package index has {} section(s) of --min-class {} packages or more; "
                                      "need 2", data.classes.size(), o.min_class));
@@ -300,12 +315,16 @@ int run(const Options& o) {
   const auto reports = train(o, data, sync, exchange, table, model);
   // Measured at the end, by each machine's local rank 0, while the others wait for it in one last
   // (empty) exchange step, the machine barrier, so that all of them are still there to measure.
-  std::uint64_t pss = 0;
+  Pss pss;
   std::size_t trainers = 0;
   if (world.local().rank() == 0) {
     const std::vector<long> pids = machine_trainers(world.local());
     trainers = pids.size();
-    for (const long pid : pids) pss += pss_bytes(pid);
+    for (const long pid : pids) {
+      const Pss one = pss_of(pid);
+      pss.total += one.total;
+      pss.shmem += one.shmem;
+    }
   }
   exchange.step({}, {});
   if (!leader) return 0;
@@ -314,8 +333,10 @@ int run(const Options& o) {
                "step | rank 0 sent {:.1f} MB dense, {:.1f} MB sparse\n",
                r.epoch, r.test_accuracy, r.loss, r.seconds, r.samples_per_second, r.keys_per_step,
                static_cast<double>(r.dense_bytes_sent) / 1e6, static_cast<double>(r.sparse_bytes_sent) / 1e6);
-  fmt::print("done: {} rows in the table ({:.1f} MB), this machine's {} trainer(s) hold {:.1f} MB (Pss)\n",
-             table.size(), static_cast<double>(table.bytes()) / 1e6, trainers, static_cast<double>(pss) / 1e6);
+  fmt::print("done: {} rows in the table ({:.1f} MB), this machine's {} trainer(s) hold {:.1f} MB (Pss), {:.1f} MB of it "
+             "in shared memory\n",
+             table.size(), static_cast<double>(table.bytes()) / 1e6, trainers, static_cast<double>(pss.total) / 1e6,
+             static_cast<double>(pss.shmem) / 1e6);
   if (!o.json.empty()) {
     tk::Json epochs = tk::Json::array();
     for (const auto& r : reports)
@@ -350,7 +371,8 @@ int run(const Options& o) {
                             {"table_keys", table.size()},
                             {"table_bytes", table.bytes()},
                             {"machine_trainers", trainers},
-                            {"machine_pss_bytes", pss}});
+                            {"machine_pss_bytes", pss.total},
+                            {"machine_pss_shmem_bytes", pss.shmem}});
   }
   return 0;
 }
