@@ -384,10 +384,12 @@ class SparseExchange {
     std::memcpy(set.keys.data(), p, n * sizeof(std::uint64_t));
     std::memcpy(set.counts.data(), p + n * sizeof(std::uint64_t), n * sizeof(std::uint32_t));
     std::memcpy(set.values.data(), p + n * (sizeof(std::uint64_t) + sizeof(std::uint32_t)), n * dim * sizeof(float));
-    for (std::size_t i = 1; i < n; ++i)
-      if (set.keys[i - 1] >= set.keys[i])
+    for (std::size_t i = 0; i < n; ++i)
+      if ((i > 0 && set.keys[i - 1] >= set.keys[i]) || set.counts[i] == 0 ||
+          set.counts[i] > static_cast<std::uint32_t>(group_.size()))
         throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
-                    "a sparse set's keys are not sorted and distinct");
+                    fmt::format("a sparse set's keys are not sorted and distinct, or key {} counts {} trainers of {}",
+                                set.keys[i], set.counts[i], group_.size()));
   }
 
   // received_[0 .. count), with `mine` in place of received_[self], summed in index order.
