@@ -161,6 +161,7 @@ class SharedMemoryEngine {
     mine.owner = rank_;
     mine.peer = peer;
     mine.is_send = is_send;
+    mine.prompt = r.sink_ != nullptr;
     mine.outcome = Record::Outcome::pending;
     mine.tag = tag;
     mine.address = reinterpret_cast<std::uint64_t>(is_send ? source : destination);
@@ -203,6 +204,7 @@ class SharedMemoryEngine {
   }
 
   bool test(Request& r) {
+    if (r.state_.load(std::memory_order_acquire) == Request::State::pending) complete_arrived();
     switch (r.state_.load(std::memory_order_acquire)) {
       case Request::State::done: return true;
       case Request::State::failed: throw *r.error_;
@@ -386,9 +388,12 @@ class SharedMemoryEngine {
     ipc::scoped_lock lock(area.done_mutex, ipc::defer_lock);
     if (!lock.timed_lock(shm::utc_deadline(lock_patience))) return;  // its owner died holding it
     append(area.done, handle, &Record::done_next);
+    // A completion nobody waits for and no sink wants yet stays on the list until its owner's
+    // next test() or wait(): waking the completion thread for it would cost a switch between
+    // processes per message, the biggest cost here after the copy itself.
     if (area.serving != 0)
       area.served_changed.notify_all();
-    else
+    else if (segment_.record(handle).prompt)
       area.done_changed.notify_one();
   }
 
@@ -543,6 +548,13 @@ class SharedMemoryEngine {
     return true;
   }
 
+  // test()'s part: completes what has arrived, unless another thread is at the list already.
+  void complete_arrived() {
+    shm::RankArea& area = segment_.rank(rank_);
+    ipc::scoped_lock lock(area.done_mutex, ipc::try_to_lock);
+    if (lock && drain(lock) && area.serving != 0) area.served_changed.notify_all();
+  }
+
   // A thread in wait() completes whatever arrives for this rank until `settled()` or the deadline,
   // sleeping on the list's shared condition, so a copier in another process wakes it directly.
   template <class Settled>
@@ -562,13 +574,21 @@ class SharedMemoryEngine {
       area.served_changed.timed_wait(lock, shm::utc_deadline(std::min<Clock::duration>(deadline - now, liveness_period)),
                                      [&] { return area.done.head != no_record || settled(); });
     }
-    // What arrives from now on is the completion thread's again.
-    if (--area.serving == 0 && area.done.head != no_record) area.done_changed.notify_one();
+    // What arrives from now on is the completion thread's again, and whatever a sink is waiting for
+    // that came meanwhile.
+    if (--area.serving == 0 && awaits_prompt_completion(area.done)) area.done_changed.notify_one();
     return done;
+  }
+
+  bool awaits_prompt_completion(const shm::FifoQueue& done) const {
+    for (std::uint32_t h = done.head; h != no_record; h = segment_.record(h).done_next)
+      if (segment_.record(h).prompt) return true;
+    return false;
   }
 
   void complete_loop() {
     shm::RankArea& area = segment_.rank(rank_);
+    auto looked_around = Clock::now();
     for (;;) {
       bool look_around = false;
       {
@@ -577,7 +597,7 @@ class SharedMemoryEngine {
           return (area.done.head != no_record && area.serving == 0) || area.wake != 0;
         });
         const bool completed = drain(lock);
-        look_around = std::exchange(area.wake, 0u) != 0 || !completed;
+        look_around = std::exchange(area.wake, 0u) != 0 || Clock::now() - looked_around >= liveness_period;
         // A waiter may have gone to sleep before we took its completion from the list.
         if (completed && area.serving != 0) area.served_changed.notify_all();
       }
@@ -586,6 +606,7 @@ class SharedMemoryEngine {
         if (stopping_) return;
       }
       if (look_around) {
+        looked_around = Clock::now();
         const bool departed = notice_departures();
         if (departed || segment_.header().failed_rank.load(std::memory_order_acquire) >= 0) {
           fail_orphans();

@@ -8,9 +8,12 @@
 // of a message copies it once, straight from the sender's buffer into the receiver's: a memcpy
 // when both lie in ranks' arenas (allocate(), below) or the copier's own memory, else Linux's
 // cross-memory attach (process_vm_readv/writev), as Open MPI's shared-memory transport does for
-// large messages. One copy, like InProcess; nothing buffered, nothing allocated per message. Each
-// rank runs one thread that sleeps on its completion list (no spinning) and reports completions;
-// a thread blocked in wait() completes them itself meanwhile, so the copier wakes it directly.
+// large messages. One copy, like InProcess; nothing buffered, nothing allocated per message.
+// Completions wait on the owner's completion list for the owner's own test() or wait(); a thread
+// blocked in wait() sleeps on the list (no spinning), so the copier wakes it directly. Each rank
+// also runs one thread that completes, at once, requests that report to a CompletionSink (the
+// task graph) while no thread of the rank waits. Waking a process costs far more than waking a
+// thread, so a completion nobody is waiting for wakes nobody.
 //
 // The segment is named after the job (a digest of GRADSYNC_TOKEN, MASTER_ADDR and MASTER_PORT)
 // and the machine, created by local rank 0 and unlinked as soon as every local rank has mapped it,

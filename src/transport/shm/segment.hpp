@@ -29,7 +29,7 @@ namespace gradsync::transport::shm {
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 3;
+inline constexpr std::uint32_t segment_version = 4;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
 inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
 inline constexpr std::size_t page_bytes = 4096;
@@ -54,6 +54,9 @@ struct Record {
   std::int32_t owner = -1;  // local ranks
   std::int32_t peer = -1;
   std::uint32_t is_send = 0;
+  // The owner's request reports to a CompletionSink, so its completion thread must hear of it at
+  // once; without one the completion waits in `done` for the owner's next test() or wait().
+  std::uint32_t prompt = 0;
   Outcome outcome = Outcome::pending;
   std::uint64_t tag = 0;
   std::uint64_t address = 0;  // the buffer, in its owner's address space
