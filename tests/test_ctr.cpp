@@ -114,7 +114,11 @@ TEST_SUITE("ctr") {
     const std::size_t zsh = static_cast<std::size_t>(std::count(d.train.labels.begin(), d.train.labels.end(), 1)) +
                             static_cast<std::size_t>(std::count(d.test.labels.begin(), d.test.labels.end(), 1));
     CHECK(zsh == 40);
-    CHECK(d.train.keys_of(0).size() == 2);
+    CHECK(d.keys == std::vector<std::uint64_t>{1, 2});
+    std::uint64_t keys[2]{};
+    CHECK(d.keys_of(d.train, 0, keys) == 2);
+    CHECK(keys[0] == 1);
+    CHECK(keys[1] == 2);
   }
 
   TEST_CASE("the model's gradients match finite differences: dense weights and an embedding row") {

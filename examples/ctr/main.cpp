@@ -139,7 +139,12 @@ std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, Dense
   std::vector<float> row_gradients(keys.size() * dim);
   std::vector<std::size_t> offsets(o.batch + 1, 0);
   std::vector<std::uint8_t> labels(o.batch);
-  std::vector<const float*> test_rows(leader ? data.test.keys.size() : 0);
+  // Rank 0's test set as keys, made once.
+  std::vector<std::uint64_t> test_keys(leader ? data.test.features.size() : 0);
+  std::vector<std::size_t> test_offsets(leader ? data.test.offsets.size() : 0);
+  for (std::size_t i = 0; i + 1 < test_offsets.size(); ++i)
+    test_offsets[i + 1] = test_offsets[i] + data.keys_of(data.test, i, std::span(test_keys).subspan(test_offsets[i]));
+  std::vector<const float*> test_rows(test_keys.size());
   std::vector<EpochReport> reports;
   for (int epoch = 1; epoch <= o.epochs; ++epoch) {
     std::iota(order.begin(), order.end(), std::size_t{0});
@@ -153,9 +158,7 @@ std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, Dense
       std::size_t n = 0;
       for (std::size_t s = 0; s < o.batch; ++s) {
         const std::size_t example = order[step * global + rank * o.batch + s];
-        const auto example_keys = data.train.keys_of(example);
-        std::copy(example_keys.begin(), example_keys.end(), keys.begin() + static_cast<std::ptrdiff_t>(n));
-        n += example_keys.size();
+        n += data.keys_of(data.train, example, std::span(keys).subspan(n));
         offsets[s + 1] = n;
         labels[s] = data.train.labels[example];
       }
@@ -189,8 +192,8 @@ std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, Dense
     report.loss = loss_sum / static_cast<double>(steps);
     report.keys_per_step = step_keys / static_cast<double>(steps);
     if (leader && data.test.count()) {
-      table.lookup(data.test.keys, test_rows);
-      report.test_accuracy = static_cast<double>(model.correct(test_rows, data.test.offsets, data.test.labels.data())) /
+      table.lookup(test_keys, test_rows);
+      report.test_accuracy = static_cast<double>(model.correct(test_rows, test_offsets, data.test.labels.data())) /
                              static_cast<double>(data.test.count());
     }
     reports.push_back(report);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <unordered_set>
@@ -206,12 +207,6 @@ std::string read_dumpavail(const std::string& path) {
   return text;
 }
 
-void Examples::add(std::span<const std::uint64_t> example_keys, std::uint8_t label) {
-  keys.insert(keys.end(), example_keys.begin(), example_keys.end());
-  offsets.push_back(keys.size());
-  labels.push_back(label);
-}
-
 Dataset make_dataset(const std::vector<Package>& packages, std::size_t min_class) {
   std::map<std::string, std::size_t> sizes;  // ordered: the classes' numbering
   for (const Package& p : packages)
@@ -225,19 +220,45 @@ Dataset make_dataset(const std::vector<Package>& packages, std::size_t min_class
     label_of.emplace(section, static_cast<std::uint8_t>(d.classes.size()));
     d.classes.push_back(section);
   }
+  // The keys first, then the examples as indexes into them, every array sized exactly: grown by
+  // doubling, they could hold twice what they use.
+  std::size_t examples[2] = {0, 0}, features[2] = {0, 0};
   std::unordered_set<std::uint64_t> train_keys;
+  for (const Package& p : packages) {
+    if (!label_of.contains(p.section)) continue;
+    const bool test = held_out(p.name);
+    ++examples[test];
+    features[test] += p.keys.size();
+    d.keys.insert(d.keys.end(), p.keys.begin(), p.keys.end());
+    if (!test) train_keys.insert(p.keys.begin(), p.keys.end());
+  }
+  std::sort(d.keys.begin(), d.keys.end());
+  d.keys.erase(std::unique(d.keys.begin(), d.keys.end()), d.keys.end());
+  d.keys.shrink_to_fit();
+  if (d.keys.size() > std::numeric_limits<std::uint32_t>::max() ||
+      std::max(features[0], features[1]) > std::numeric_limits<std::uint32_t>::max())
+    throw DataError(fmt::format("{} distinct keys in {} features: more than 32-bit indexes reach", d.keys.size(),
+                                features[0] + features[1]));
+  d.distinct_keys = train_keys.size();
+  for (const bool test : {false, true}) {
+    Examples& e = test ? d.test : d.train;
+    e.features.reserve(features[test]);
+    e.offsets.reserve(examples[test] + 1);
+    e.labels.reserve(examples[test]);
+  }
   for (const Package& p : packages) {
     const auto label = label_of.find(p.section);
     if (label == label_of.end()) {
       ++d.dropped;
       continue;
     }
-    const bool test = held_out(p.name);
-    (test ? d.test : d.train).add(p.keys, label->second);
-    if (!test) train_keys.insert(p.keys.begin(), p.keys.end());
+    Examples& e = held_out(p.name) ? d.test : d.train;
+    for (const std::uint64_t key : p.keys)
+      e.features.push_back(static_cast<std::uint32_t>(std::lower_bound(d.keys.begin(), d.keys.end(), key) - d.keys.begin()));
+    e.offsets.push_back(static_cast<std::uint32_t>(e.features.size()));
+    e.labels.push_back(label->second);
     d.max_keys = std::max(d.max_keys, p.keys.size());
   }
-  d.distinct_keys = train_keys.size();
   return d;
 }
 

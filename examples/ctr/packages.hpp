@@ -48,25 +48,34 @@ std::vector<Package> parse_packages(std::string_view dumpavail, const ParseOptio
 // file that cannot be read, or says how apt-cache failed.
 std::string read_dumpavail(const std::string& path);
 
-// Examples as flat arrays: example i's keys are keys[offsets[i] .. offsets[i+1]).
+// Examples as flat arrays: example i's features are features[offsets[i] .. offsets[i+1]), each
+// an index into its Dataset's `keys`. Indexes of 32 bits, not the keys' 64, because every trainer
+// holds the whole set: it is each trainer's biggest own allocation beside the machine's table.
 struct Examples {
-  std::vector<std::uint64_t> keys;
-  std::vector<std::size_t> offsets{0};
+  std::vector<std::uint32_t> features;
+  std::vector<std::uint32_t> offsets{0};
   std::vector<std::uint8_t> labels;  // indexes into Dataset::classes
 
   std::size_t count() const noexcept { return labels.size(); }
-  std::span<const std::uint64_t> keys_of(std::size_t i) const noexcept {
-    return std::span(keys).subspan(offsets[i], offsets[i + 1] - offsets[i]);
+  std::span<const std::uint32_t> features_of(std::size_t i) const noexcept {
+    return std::span(features).subspan(offsets[i], offsets[i + 1] - offsets[i]);
   }
-  void add(std::span<const std::uint64_t> example_keys, std::uint8_t label);
 };
 
 struct Dataset {
   std::vector<std::string> classes;  // sorted by name, so every rank numbers them alike
+  std::vector<std::uint64_t> keys;   // every feature key of the kept packages, sorted: feature f's is keys[f]
   Examples train, test;
   std::size_t dropped = 0;        // packages of sections too small to be a class, or of none
   std::size_t distinct_keys = 0;  // over the training examples: rows the table will need
   std::size_t max_keys = 0;       // of one example, train or test
+
+  // Example i of `examples`' keys, written to `out` (room for max_keys); returns how many.
+  std::size_t keys_of(const Examples& examples, std::size_t i, std::span<std::uint64_t> out) const noexcept {
+    const auto features = examples.features_of(i);
+    for (std::size_t k = 0; k < features.size(); ++k) out[k] = keys[features[k]];
+    return features.size();
+  }
 };
 
 // The classes are the sections of at least `min_class` packages (at most 255 of them, the
