@@ -1,6 +1,7 @@
 #pragma once
 // Everything a trainer needs: the Synchronizer and every policy this build ships.
 
+#include "gradsync/async/synchronizer.hpp"
 #include "gradsync/bucketing/fixed_size.hpp"
 #include "gradsync/bucketing/time_clustered.hpp"
 #include "gradsync/bucketing/per_tensor.hpp"

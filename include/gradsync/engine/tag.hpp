@@ -31,6 +31,7 @@ enum class ControlMessage : std::uint32_t {
   calibration_probe = 8,       // its timed transfers: probe k takes id 8 + k (raw bytes, no length)
   embedding_table = 0x20000000u,  // where local rank 0 put the machine's embedding table (sparse/)
   sparse = 0x20000010u,        // a sparse exchange's messages: ids sparse + 0 .. sparse + 4 (sparse/exchange.hpp)
+  async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 5 (async/synchronizer.hpp)
   membership = 0x40000000u,    // whom each rank counts in its group, to every other member (raw text)
   coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
   coordinator_grant = 0x80000001u,   // coordinator -> rank

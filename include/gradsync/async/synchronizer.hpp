@@ -1,0 +1,830 @@
+#pragma once
+// async::Synchronizer — a parameter server whose workers do not wait for each other (the fourth
+// source document): pushes and pulls run on a communication thread while the trainer computes,
+// each server forms an iteration's global gradient from the first M of the N workers' pushes, a
+// worker applies the newest global gradient it has not applied yet, never one more than
+// `staleness` iterations old, and every `period` iterations the workers' parameters are averaged.
+//
+// Roles. Every rank is a worker and also serves one part of the flat gradient (the registered
+// gradients one after another, cut into N parts as topology::ParameterServer cuts a bucket:
+// co-located servers, part p served by group rank p). A worker talks to the server of its own
+// part through the transport too (every transport carries messages to itself), so the two roles
+// share nothing but the communication thread.
+//
+// An iteration t, on worker w:
+//   1. ready() for every gradient: the communication thread encodes the local gradient and pushes
+//      part p to server p (its own part it hands over in memory).
+//   2. wait(): for each part p, the newest global gradient g_p the worker has pulled and not yet
+//      applied replaces the local values, provided g_p >= t - staleness. When no unapplied one has
+//      arrived, the part keeps the local gradient (the document's rule: the next parameters then
+//      follow the local gradient alone) as long as the last one applied is no older than
+//      t - staleness; otherwise wait() blocks until a new enough one arrives. So a part's applied
+//      global gradient is never more than `staleness` iterations behind (staleness 0: wait() waits
+//      for iteration t itself, as the synchronous parameter server does).
+//   3. The trainer updates its parameters; then parameters_updated(). At the end of every period
+//      of `period` iterations it pushes the parameters; each server averages its part over all N
+//      workers and sends the same bits back to all, so every worker starts the next period from
+//      the same parameters.
+// Meanwhile the communication thread keeps one pull per part outstanding: "the newest global
+// gradient newer than the one I hold", answered by the server as soon as it has one.
+//
+// A server closes iteration t of its part when M = `quorum` pushes of iteration t have arrived:
+// it sums them in a fixed order (its own worker's first if it is among them, then the others in
+// group order), divides by M, encodes the result once and keeps that encoding, with which workers
+// it used, for the pulls. A push that arrives after its iteration closed is counted and dropped.
+// Pushes of one worker arrive in order and a worker cannot push iteration t before it has applied
+// a global gradient of iteration t - 1 - staleness or later, so iterations close in order and at
+// most staleness + 1 are open at once: the server's buffers are sized for that.
+//
+// With staleness 0, quorum N and period 1 the result is, bit for bit, the synchronous parameter
+// server's (topology::ParameterServer, co-located, identity codec): the same sums in the same
+// order, the same division; the period average of identical parameters is accumulated in f64 and
+// so gives them back unchanged. (With a lossy codec a server's own worker's part is encoded too,
+// where the synchronous server adds its raw values.)
+//
+// Every rank calls finish() after its last wait(): servers keep answering until every worker has
+// finished.
+//
+// Not yet: dedicated servers and partition counts other than N; f16/bf16/f64 gradients; a dead
+// worker with quorum < N still fails the others through the transport (as with quorum N), instead
+// of being left behind.
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/detail/transport_buffer.hpp"
+#include "gradsync/engine/tag.hpp"
+#include "gradsync/error.hpp"
+#include "gradsync/schedule.hpp"
+#include "gradsync/topology/ring.hpp"
+#include "gradsync/transport/completion.hpp"
+#include "gradsync/types.hpp"
+
+namespace gradsync::async {
+
+struct Options {
+  int staleness = 0;  // s: iterations an applied global gradient may lag the worker's own
+  int quorum = 0;     // M: pushes that close an iteration; 0 means every worker (N)
+  int period = 0;     // K: parameters averaged every K iterations; 0: never
+  std::chrono::milliseconds timeout = std::chrono::minutes(2);  // every wait of the trainer's
+};
+
+// What the last wait() applied, part by part, and what this rank's server did so far.
+struct StepReport {
+  std::uint64_t iteration = 0;
+  int age = 0;               // max over parts of iteration - the applied global's iteration
+  int local_parts = 0;       // parts that kept the local gradient: nothing new had arrived
+  std::vector<std::int64_t> applied;  // per part: the global gradient's iteration, -1 for local
+  std::vector<std::uint64_t> contributors;  // per part: the workers its server used, bit w = worker w
+  std::uint64_t dropped_pushes = 0;  // this rank's server, so far: pushes that came after their iteration closed
+  std::chrono::nanoseconds blocked{0};  // wait() blocked for a new enough global gradient
+};
+
+
+template <CompressionPolicy C, TransportPolicy X>
+class Synchronizer final : private transport::CompletionSink {
+ public:
+  Synchronizer(X transport, Options options = {}, C codec = {})
+      : transport_(std::move(transport)),
+        options_(options),
+        codec_(std::move(codec)),
+        group_(Group::world(transport_.rank(), transport_.size())),
+        n_(group_.size()),
+        quorum_(options.quorum == 0 ? n_ : options.quorum) {
+    if (options_.staleness < 0 || quorum_ < 1 || quorum_ > n_ || options_.period < 0)
+      throw Error(ErrorKind::invalid_argument, here("options"),
+                  fmt::format("staleness {} (>= 0), quorum {} (0 or 1..{}) and period {} (>= 0) do not fit",
+                              options_.staleness, options_.quorum, n_, options_.period));
+    if (n_ > 64)
+      throw Error(ErrorKind::unsupported, here("options"), fmt::format("{} workers; contributor masks hold 64", n_));
+  }
+
+  Synchronizer(const Synchronizer&) = delete;
+  Synchronizer& operator=(const Synchronizer&) = delete;
+
+  // Finishes (unless an exception is unwinding the trainer, or synchronization failed), settles
+  // what is still posted and stops. Unfinished, it aborts the transport: the peers fail fast.
+  ~Synchronizer() {
+    if (!thread_.joinable()) return;
+    if (!finished_ && std::uncaught_exceptions() == 0) {
+      try {
+        finish();
+      } catch (const Error&) {
+      }
+    }
+    stop_thread();
+    if (!finished_) transport_.abort(Error(ErrorKind::peer_failed, here("shutdown"),
+                                           "the asynchronous synchronizer was destroyed before finish()"));
+    // The server's standing receives and unanswered pulls or replies: taken back (a wait whose
+    // deadline has passed withdraws what is unmatched), so the transport holds none of ours.
+    for (std::size_t i = 0; i < requests_.size(); ++i) {
+      if (!posted_[i]) continue;
+      try {
+        transport_.wait(requests_[i], finished_ ? Clock::now() : Clock::now() + options_.timeout);
+      } catch (const Error&) {
+      }
+    }
+  }
+
+  // Ends training on this rank: tells every server so, and keeps serving this rank's part until
+  // every worker has said the same, so that no worker's last pull goes unanswered. Every rank
+  // calls it once, after its last wait() (the destructor does, if the trainer did not).
+  void finish() {
+    if (!thread_.joinable() || finished_) return;
+    std::unique_lock lock(mutex_);
+    finishing_ = true;
+    lock.unlock();
+    wake_thread();
+    lock.lock();
+    if (!state_cv_.wait_until(lock, Clock::now() + options_.timeout, [&] {
+          return error_ || (dones_received_ == n_ && done_posted_ && std::none_of(done_sends(), done_sends_end(), [](auto p) { return p != 0; }));
+        }))
+      throw Error(ErrorKind::timeout, here("finish"),
+                  fmt::format("{} of {} workers finished within {} ms", dones_received_, n_, options_.timeout.count()));
+    if (error_) throw *error_;
+    finished_ = true;
+  }
+
+  // Registers an f32 gradient, in the same order on every rank, before the first ready().
+  GradId add(std::string name, std::span<float> gradient) {
+    if (thread_.joinable())
+      throw Error(ErrorKind::invalid_argument, here("add"), fmt::format("{:?} registered after the first ready()", name));
+    gradients_.push_back(gradient);
+    return static_cast<GradId>(gradients_.size() - 1);
+  }
+
+  // Registers parameters for the period average (f32, the same sizes in the same order on every
+  // rank), before the first ready().
+  void add_parameters(std::span<float> parameters) {
+    if (thread_.joinable())
+      throw Error(ErrorKind::invalid_argument, here("add_parameters"), "parameters registered after the first ready()");
+    parameters_.push_back(parameters);
+  }
+
+  // Marks gradient `id` as holding this iteration's local value; the last one starts the push.
+  void ready(GradId id) {
+    if (!thread_.joinable()) start();
+    if (id >= gradients_.size())
+      throw Error(ErrorKind::invalid_argument, here("ready"), fmt::format("no gradient {}", id));
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) wake_thread();
+  }
+
+  // Leaves in the gradients what this iteration applies, part by part (see the top of this file),
+  // and readies the next iteration. Throws Error(timeout) naming the parts that stayed too old.
+  void wait() {
+    if (!thread_.joinable()) start();
+    const auto started = Clock::now();
+    std::unique_lock lock(mutex_);
+    const std::uint64_t t = iteration_;
+    if (pending_.load(std::memory_order_acquire) != 0)
+      throw Error(ErrorKind::invalid_argument, here("wait"),
+                  fmt::format("iteration {}: {} gradient(s) not marked ready", t, pending_.load()));
+    if (period_due_)
+      throw Error(ErrorKind::invalid_argument, here("wait"),
+                  fmt::format("iteration {}: parameters_updated() was not called at the end of the period", t));
+    if (!state_cv_.wait_until(lock, started + options_.timeout, [&] { return error_ || (pushed_ > t && applicable(t)); }))
+      throw too_old(t);
+    if (error_) throw *error_;
+    report_.iteration = t;
+    report_.blocked = Clock::now() - started;
+    report_.age = 0;
+    report_.local_parts = 0;
+    for (int p = 0; p < n_; ++p) {
+      PullSlot* slot = newest_unapplied(p);
+      if (!slot) {
+        report_.applied[p] = -1;
+        report_.contributors[p] = 0;
+        ++report_.local_parts;
+        continue;
+      }
+      // Claimed, the thread leaves the slot alone while it is decoded without the lock.
+      slot->claimed = true;
+      lock.unlock();
+      codec_.decode(slot->encoded(), flat_part(p), DecodeMode::overwrite);
+      lock.lock();
+      slot->claimed = false;
+      slot->applied = true;
+      applied_[p] = static_cast<std::int64_t>(slot->iteration);
+      report_.applied[p] = applied_[p];
+      report_.contributors[p] = slot->contributors;
+      report_.age = std::max(report_.age, static_cast<int>(static_cast<std::int64_t>(t) - applied_[p]));
+    }
+    std::size_t at = 0;
+    for (auto g : gradients_) {
+      std::copy_n(flat_.begin() + static_cast<std::ptrdiff_t>(at), g.size(), g.begin());
+      at += g.size();
+    }
+    report_.dropped_pushes = dropped_;
+    ++iteration_;
+    period_due_ = options_.period > 0 && iteration_ % static_cast<std::uint64_t>(options_.period) == 0;
+    pending_.store(gradients_.size(), std::memory_order_release);
+    lock.unlock();
+    wake_thread();  // the applied slots can take the next pulls
+  }
+
+  // Call after the trainer's update of each iteration. At the end of a period it pushes the
+  // registered parameters, waits for every part's average over all workers and leaves it in them.
+  void parameters_updated() {
+    std::unique_lock lock(mutex_);
+    if (!period_due_) return;
+    const auto deadline = Clock::now() + options_.timeout;
+    std::size_t at = 0;
+    for (auto q : parameters_) {
+      std::copy(q.begin(), q.end(), parameter_flat_.begin() + static_cast<std::ptrdiff_t>(at));
+      at += q.size();
+    }
+    averaging_ = true;
+    lock.unlock();
+    wake_thread();
+    lock.lock();
+    if (!state_cv_.wait_until(lock, deadline, [&] { return error_ || !averaging_; }))
+      throw Error(ErrorKind::timeout, here("parameter average"),
+                  fmt::format("period ending at iteration {}: no average within {} ms from {}", iteration_,
+                              options_.timeout.count(), missing_averages()));
+    if (error_) throw *error_;
+    at = 0;
+    for (auto q : parameters_) {
+      std::copy_n(parameter_flat_.begin() + static_cast<std::ptrdiff_t>(at), q.size(), q.begin());
+      at += q.size();
+    }
+    period_due_ = false;
+  }
+
+  // What the last wait() applied. Read it between wait() and the next ready().
+  const StepReport& last_step() const noexcept { return report_; }
+  int rank() const noexcept { return group_.rank; }
+  int size() const noexcept { return n_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  using Request = typename X::Request;
+  static constexpr std::uint64_t nothing = ~std::uint64_t{0};
+  static constexpr std::size_t header_bytes = 16;  // a push's or global gradient's iteration, and contributors
+
+  // Every request this rank posts: one per kind of message and peer (two per peer for pulled
+  // replies, which alternate between two slots).
+  enum Site : std::uint32_t {
+    push_sent, push_received, pull_sent, pull_received, reply_sent, reply_received_0, reply_received_1,
+    parameters_sent, parameters_received, average_sent, average_received, done_sent, done_received, sites
+  };
+  // Message kinds: offsets of ControlMessage::async_parameter_server (engine/tag.hpp).
+  enum Kind : std::uint32_t { push = 0, pull = 1, reply = 2, parameters = 3, average = 4, done = 5 };
+
+  // A pulled global gradient of one part: header, then the encoding.
+  struct PullSlot {
+    detail::TransportBuffer<X> bytes;
+    std::uint64_t iteration = 0;
+    std::uint64_t contributors = 0;
+    std::size_t size = 0;
+    bool filled = false, applied = false, claimed = false;
+    std::span<const std::byte> encoded() const {
+      return std::span<const std::byte>(bytes.data(), bytes.size()).subspan(header_bytes, size - header_bytes);
+    }
+  };
+
+  // A closed iteration's global gradient of the served part, with the replies still reading it.
+  struct GlobalSlot {
+    detail::TransportBuffer<X> bytes;
+    std::size_t size = 0;
+    std::uint64_t iteration = 0;
+    int readers = 0;
+  };
+
+  static std::span<std::byte> whole(const detail::TransportBuffer<X>& buffer) { return {buffer.data(), buffer.size()}; }
+  ErrorContext here(const char* operation) const { return {.rank = transport_.rank(), .operation = operation}; }
+  std::span<float> flat_part(int p) { return std::span(flat_).subspan(parts_[p].begin, parts_[p].size()); }
+  std::span<float> parameter_part(int p) {
+    return std::span(parameter_flat_).subspan(parameter_parts_[p].begin, parameter_parts_[p].size());
+  }
+
+  // Sizes everything at the first ready() or wait(), once the gradients are known.
+  void start() {
+    std::size_t total = 0, parameter_total = 0, biggest = 0;
+    for (auto g : gradients_) total += g.size();
+    for (auto q : parameters_) parameter_total += q.size();
+    flat_.assign(total, 0.0f);
+    parameter_flat_.assign(parameter_total, 0.0f);
+    for (int p = 0; p < n_; ++p) {
+      parts_.push_back(topology::detail::segment(total, n_, p));
+      parameter_parts_.push_back(topology::detail::segment(parameter_total, n_, p));
+      biggest = std::max(biggest, parts_.back().size());
+    }
+    const std::size_t own = parts_[group_.rank].size(), own_parameters = parameter_parts_[group_.rank].size();
+    const std::size_t capacity = header_bytes + codec_.max_encoded_bytes(biggest, DType::f32);
+    const auto per_peer = static_cast<std::size_t>(n_);
+    for (int p = 0; p < n_; ++p) {
+      push_bytes_.emplace_back(&transport_, capacity);
+      push_states_.push_back(codec_.make_state(parts_[p].size(), DType::f32));
+      for (auto& slots : pull_slots_) slots.emplace_back().bytes = detail::TransportBuffer<X>(&transport_, capacity);
+      received_pushes_.emplace_back(&transport_, capacity);
+    }
+    for (int g = 0; g < n_ + 2; ++g) globals_.emplace_back().bytes = detail::TransportBuffer<X>(&transport_, capacity);
+    window_ = static_cast<std::size_t>(options_.staleness) + 2;
+    contributions_.assign(window_ * per_peer * own, 0.0f);
+    arrived_.assign(window_ * per_peer, 0);
+    arrivals_.assign(window_, 0);
+    sum_.assign(own, 0.0f);
+    global_state_ = codec_.make_state(own, DType::f32);
+    parameter_contributions_.assign(per_peer * own_parameters, 0.0f);
+    parameter_average_.assign(own_parameters, 0.0f);
+    requests_ = std::vector<Request>(static_cast<std::size_t>(sites) * per_peer);
+    posted_.assign(requests_.size(), 0);
+    completions_.reserve(requests_.size());
+    pull_min_.assign(per_peer, 0);
+    received_pull_.assign(per_peer, 0);
+    pulls_sent_.assign(per_peer, 0);
+    pulls_received_.assign(per_peer, 0);
+    replies_sent_.assign(per_peer, 0);
+    pushes_received_.assign(per_peer, 0);
+    parked_.assign(per_peer, nothing);
+    reply_from_.assign(per_peer, -1);
+    pull_outstanding_.assign(per_peer, 0);
+    pushes_encoded_.assign(per_peer, 0);
+    averages_sent_.assign(per_peer, 0);
+    averages_arrived_.assign(per_peer, 0);
+    applied_.assign(per_peer, -1);
+    report_.applied.assign(per_peer, -1);
+    report_.contributors.assign(per_peer, 0);
+    pending_.store(gradients_.size(), std::memory_order_release);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  // ---- the trainer's side (under mutex_) --------------------------------------------------------
+
+  // Every part either has an unapplied global gradient new enough, or may keep the local values.
+  bool applicable(std::uint64_t t) {
+    const auto oldest = static_cast<std::int64_t>(t) - options_.staleness;
+    for (int p = 0; p < n_; ++p) {
+      const PullSlot* slot = newest_unapplied(p);
+      if ((slot ? static_cast<std::int64_t>(slot->iteration) : applied_[p]) < oldest) return false;
+    }
+    return true;
+  }
+
+  PullSlot* newest_unapplied(int p) {
+    PullSlot* best = nullptr;
+    for (auto& slots : pull_slots_) {
+      PullSlot& s = slots[p];
+      if (s.filled && !s.applied && (!best || s.iteration > best->iteration)) best = &s;
+    }
+    return best;
+  }
+
+  Error too_old(std::uint64_t t) {
+    std::string parts;
+    for (int p = 0; p < n_; ++p) {
+      const PullSlot* slot = newest_unapplied(p);
+      const std::int64_t have = slot ? static_cast<std::int64_t>(slot->iteration) : applied_[p];
+      if (have < static_cast<std::int64_t>(t) - options_.staleness)
+        parts += fmt::format("{}part {} (server rank {}, newest iteration {})", parts.empty() ? "" : ", ", p,
+                             group_.members[p], have);
+    }
+    return Error(ErrorKind::timeout, here("wait"),
+                 pushed_ <= t ? fmt::format("iteration {}: this rank's push did not leave within {} ms", t,
+                                            options_.timeout.count())
+                              : fmt::format("iteration {}: no global gradient of iteration {} or later within {} ms "
+                                            "for {}",
+                                            t, static_cast<std::int64_t>(t) - options_.staleness,
+                                            options_.timeout.count(), parts));
+  }
+
+  std::string missing_averages() const {
+    std::string out;
+    for (int p = 0; p < n_; ++p)
+      if (!averages_arrived_[p]) out += fmt::format("{}rank {}", out.empty() ? "" : ", ", group_.members[p]);
+    return out;
+  }
+
+  auto done_sends() const { return posted_.begin() + static_cast<std::ptrdiff_t>(index(done_sent, 0)); }
+  auto done_sends_end() const { return done_sends() + n_; }
+
+  void stop_thread() {
+    {
+      std::lock_guard lock(events_mutex_);
+      stop_ = true;
+    }
+    events_cv_.notify_all();
+    thread_.join();
+  }
+
+  void wake_thread() {
+    {
+      std::lock_guard lock(events_mutex_);
+      trainer_event_ = true;
+    }
+    events_cv_.notify_one();
+  }
+
+  // ---- the communication thread -----------------------------------------------------------------
+
+  std::size_t index(Site site, int peer) const {
+    return static_cast<std::size_t>(site) * static_cast<std::size_t>(n_) + static_cast<std::size_t>(peer);
+  }
+
+  // Transports report here, from their threads or (in process) from the poster's: never under
+  // mutex_, which the thread holds while it posts.
+  void completed(std::uint64_t id) noexcept override {
+    {
+      std::lock_guard lock(events_mutex_);
+      completions_.push_back(id);
+    }
+    events_cv_.notify_one();
+  }
+
+  // A request is posted again only after its last completion has been handled (posted_ == 0), so a
+  // completion always belongs to the posting it is handled for.
+  void post(Site site, int peer, bool is_send, Kind kind, std::uint64_t sequence, std::span<std::byte> bytes) {
+    const std::size_t i = index(site, peer);
+    posted_[i] = 1;
+    requests_[i].report_to(this, i);
+    const std::uint64_t tag = engine::control_tag(sequence, engine::ControlMessage::async_parameter_server, kind);
+    if (is_send)
+      transport_.send(requests_[i], group_.members[peer], tag, bytes);
+    else
+      transport_.recv(requests_[i], group_.members[peer], tag, bytes);
+  }
+
+  void run() {
+    try {
+      std::unique_lock lock(mutex_);
+      for (int w = 0; w < n_; ++w) {
+        post(push_received, w, false, push, 0, whole(received_pushes_[w]));
+        post(pull_received, w, false, pull, 0, std::as_writable_bytes(std::span(&received_pull_[w], 1)));
+        post(done_received, w, false, done, 0, {});
+      }
+      post_parameter_receives();
+      progress();
+      lock.unlock();
+      std::vector<std::uint64_t> batch;
+      batch.reserve(requests_.size());
+      for (;;) {
+        {
+          std::unique_lock events(events_mutex_);
+          events_cv_.wait(events, [&] { return stop_ || trainer_event_ || !completions_.empty(); });
+          if (stop_) return;
+          batch.swap(completions_);
+          trainer_event_ = false;
+        }
+        lock.lock();
+        for (const std::uint64_t id : batch) on_completion(static_cast<std::size_t>(id));
+        batch.clear();
+        progress();
+        lock.unlock();
+        state_cv_.notify_all();
+      }
+    } catch (const Error& e) {
+      {
+        std::lock_guard lock(mutex_);
+        if (!error_) error_ = e;
+      }
+      transport_.abort(e);
+      state_cv_.notify_all();
+    }
+  }
+
+  void on_completion(std::size_t i) {
+    const auto site = static_cast<Site>(i / static_cast<std::size_t>(n_));
+    const int peer = static_cast<int>(i % static_cast<std::size_t>(n_));
+    std::size_t bytes = 0;
+    try {
+      bytes = transport_.wait(requests_[i], Clock::now() + options_.timeout);  // already settled
+    } catch (const Error& e) {
+      throw e.filled({.rank = transport_.rank(), .peer = group_.members[peer]});
+    }
+    posted_[i] = 0;
+    switch (site) {
+      case push_received:
+        contribute(peer, whole(received_pushes_[peer]).first(bytes));
+        post(push_received, peer, false, push, ++pushes_received_[peer], whole(received_pushes_[peer]));
+        break;
+      case pull_received:
+        parked_[peer] = received_pull_[peer];
+        post(pull_received, peer, false, pull, ++pulls_received_[peer],
+             std::as_writable_bytes(std::span(&received_pull_[peer], 1)));
+        break;
+      case reply_sent: --globals_[static_cast<std::size_t>(reply_from_[peer])].readers; reply_from_[peer] = -1; break;
+      case reply_received_0:
+      case reply_received_1: {
+        PullSlot& slot = pull_slots_[site == reply_received_0 ? 0 : 1][peer];
+        if (bytes < header_bytes)
+          throw Error(ErrorKind::protocol, {.rank = transport_.rank(), .peer = group_.members[peer], .operation = "pull"},
+                      fmt::format("a global gradient of {} bytes has no header", bytes));
+        slot.size = bytes;
+        std::memcpy(&slot.iteration, whole(slot.bytes).data(), 8);
+        std::memcpy(&slot.contributors, whole(slot.bytes).data() + 8, 8);
+        slot.filled = true;
+        slot.applied = false;
+        pull_outstanding_[peer] = 0;
+        break;
+      }
+      case parameters_received: parameter_arrived(); break;
+      case done_received: ++dones_received_; break;
+      case average_received: average_arrived(peer); break;
+      case push_sent:
+      case pull_sent:
+      case parameters_sent:
+      case average_sent:
+      case done_sent:
+      case sites: break;
+    }
+  }
+
+  // Starts whatever has become possible: this iteration's pushes, pulls, answers to parked pulls,
+  // a period's parameters and averages.
+  void progress() {
+    push_due_parts();
+    for (int p = 0; p < n_; ++p) refill_pull(p);
+    for (int w = 0; w < n_; ++w) answer_pull(w);
+    if (averaging_ && !parameters_pushed_) push_parameters();
+    send_averages();
+    if (finishing_ && !done_posted_) {
+      done_posted_ = true;
+      for (int p = 0; p < n_; ++p) post(done_sent, p, true, done, 0, {});
+    }
+  }
+
+  // ---- worker: pushes and pulls ----
+
+  // Once every gradient of the trainer's iteration is ready, copies them out and encodes and sends
+  // each part as soon as its previous push has left.
+  void push_due_parts() {
+    if (pushed_ > iteration_ || pending_.load(std::memory_order_acquire) != 0) return;
+    const std::uint64_t t = iteration_;
+    if (!copied_) {
+      std::size_t at = 0;
+      for (auto g : gradients_) {
+        std::copy(g.begin(), g.end(), flat_.begin() + static_cast<std::ptrdiff_t>(at));
+        at += g.size();
+      }
+      copied_ = true;
+    }
+    bool all = true;
+    for (int p = 0; p < n_; ++p) {
+      if (pushes_encoded_[p] > t) continue;
+      if (posted_[index(push_sent, p)]) {
+        all = false;
+        continue;
+      }
+      const std::span<std::byte> out = whole(push_bytes_[p]);
+      const std::size_t bytes =
+          header_bytes + codec_.encode(std::span<const float>(flat_part(p)), push_states_[p], out.subspan(header_bytes));
+      std::memcpy(out.data(), &t, 8);
+      std::memset(out.data() + 8, 0, 8);
+      pushes_encoded_[p] = t + 1;
+      post(push_sent, p, true, push, t, out.first(bytes));
+    }
+    if (!all) return;
+    copied_ = false;
+    pushed_ = t + 1;  // flat_ is the trainer's again
+  }
+
+  // Keeps one pull of part p outstanding, into a slot that holds nothing the trainer still wants
+  // (applied, or older than the newest unapplied one): "the newest global gradient after the one
+  // I hold".
+  void refill_pull(int p) {
+    if (pull_outstanding_[p] || posted_[index(pull_sent, p)]) return;
+    const PullSlot* newest = newest_unapplied(p);
+    for (std::size_t v = 0; v < pull_slots_.size(); ++v) {
+      PullSlot& slot = pull_slots_[v][p];
+      if (&slot == newest || slot.claimed || posted_[index(v == 0 ? reply_received_0 : reply_received_1, p)]) continue;
+      slot.filled = false;
+      pull_outstanding_[p] = 1;
+      pull_min_[p] = newest ? newest->iteration + 1 : static_cast<std::uint64_t>(applied_[p] + 1);
+      const std::uint64_t sequence = pulls_sent_[p]++;
+      post(v == 0 ? reply_received_0 : reply_received_1, p, false, reply, sequence, whole(slot.bytes));
+      post(pull_sent, p, true, pull, sequence, std::as_writable_bytes(std::span(&pull_min_[p], 1)));
+      return;
+    }
+  }
+
+  // ---- server of part group_.rank: pushes and pulls ----
+
+  void contribute(int worker, std::span<const std::byte> message) {
+    const ErrorContext from{.rank = transport_.rank(), .peer = group_.members[worker], .operation = "push"};
+    if (message.size() < header_bytes)
+      throw Error(ErrorKind::protocol, from, fmt::format("a push of {} bytes has no header", message.size()));
+    std::uint64_t t;
+    std::memcpy(&t, message.data(), 8);
+    const auto next = static_cast<std::uint64_t>(closed_ + 1);
+    if (t < next) {
+      ++dropped_;  // its iteration closed without it
+      return;
+    }
+    if (t >= next + window_)
+      throw Error(ErrorKind::protocol, from,
+                  fmt::format("iteration {} pushed while the oldest open one is {}: beyond staleness {}", t, next,
+                              options_.staleness));
+    const std::size_t own = parts_[group_.rank].size();
+    const std::size_t at = (t % window_) * static_cast<std::size_t>(n_) + static_cast<std::size_t>(worker);
+    codec_.decode(message.subspan(header_bytes), std::span(contributions_).subspan(at * own, own), DecodeMode::overwrite);
+    arrived_[at] = 1;
+    ++arrivals_[t % window_];
+    // Iterations close in order: a worker's pushes arrive in order, so a later iteration never
+    // reaches the quorum before an earlier one.
+    while (arrivals_[static_cast<std::size_t>(closed_ + 1) % window_] >= static_cast<std::uint32_t>(quorum_))
+      close(static_cast<std::uint64_t>(closed_ + 1));
+  }
+
+  // Iteration t's global gradient of the served part: the first `quorum` pushes summed, this
+  // rank's own first, then the others in group order; divided by the quorum; encoded once.
+  void close(std::uint64_t t) {
+    const std::size_t own = parts_[group_.rank].size();
+    const std::size_t base = (t % window_) * static_cast<std::size_t>(n_);
+    std::uint64_t used = 0;
+    int taken = 0;
+    const auto take = [&](int w) {
+      const std::size_t at = base + static_cast<std::size_t>(w);
+      if (!arrived_[at] || taken == quorum_) return;
+      const float* values = contributions_.data() + at * own;
+      if (taken == 0)
+        std::copy_n(values, own, sum_.begin());
+      else
+        for (std::size_t e = 0; e < own; ++e) sum_[e] += values[e];
+      used |= std::uint64_t{1} << w;
+      ++taken;
+    };
+    take(group_.rank);
+    for (int w = 0; w < n_; ++w)
+      if (w != group_.rank) take(w);
+    const auto divisor = static_cast<float>(quorum_);
+    for (float& v : sum_) v /= divisor;
+    // A slot no reply reads and that is not the newest: there are N + 2, and at most N replies
+    // are in flight.
+    GlobalSlot* global = nullptr;
+    for (auto& g : globals_)
+      if (g.readers == 0 && &g != newest_global_) global = &g;
+    const std::span<std::byte> out = whole(global->bytes);
+    std::memcpy(out.data(), &t, 8);
+    std::memcpy(out.data() + 8, &used, 8);
+    global->size = header_bytes + codec_.encode(std::span<const float>(sum_), global_state_, out.subspan(header_bytes));
+    global->iteration = t;
+    newest_global_ = global;
+    std::fill_n(arrived_.begin() + static_cast<std::ptrdiff_t>(base), n_, std::uint8_t{0});
+    arrivals_[t % window_] = 0;
+    closed_ = static_cast<std::int64_t>(t);
+  }
+
+  // Answers worker w's parked pull with the newest global gradient, if that is new enough and no
+  // earlier reply to w is still on its way.
+  void answer_pull(int w) {
+    if (parked_[w] == nothing || !newest_global_ || newest_global_->iteration < parked_[w] || reply_from_[w] >= 0 ||
+        posted_[index(reply_sent, w)])
+      return;
+    GlobalSlot& g = *newest_global_;
+    parked_[w] = nothing;
+    ++g.readers;
+    reply_from_[w] = static_cast<int>(&g - globals_.data());
+    post(reply_sent, w, true, reply, replies_sent_[w]++, whole(g.bytes).first(g.size));
+  }
+
+  // ---- period averages ----
+
+  void post_parameter_receives() {
+    const std::size_t own = parameter_parts_[group_.rank].size();
+    parameters_arrived_ = 0;
+    for (int w = 0; w < n_; ++w)
+      post(parameters_received, w, false, parameters, period_,
+           std::as_writable_bytes(std::span(parameter_contributions_).subspan(static_cast<std::size_t>(w) * own, own)));
+  }
+
+  // The worker's part: its parameters to every server, and a receive for each average. The
+  // average lands where the part was sent from: it cannot come before that send has completed.
+  void push_parameters() {
+    for (int p = 0; p < n_; ++p)
+      if (posted_[index(parameters_sent, p)] || posted_[index(average_received, p)]) return;
+    parameters_pushed_ = true;
+    for (int p = 0; p < n_; ++p) {
+      averages_arrived_[p] = 0;
+      post(average_received, p, false, average, period_, std::as_writable_bytes(parameter_part(p)));
+      post(parameters_sent, p, true, parameters, period_, std::as_writable_bytes(parameter_part(p)));
+    }
+  }
+
+  // The server's part: once all N workers' parameters are here, their average, accumulated in f64
+  // in group order (so that equal parameters come back unchanged), goes to all of them.
+  void parameter_arrived() {
+    if (++parameters_arrived_ < n_) return;
+    const std::size_t own = parameter_parts_[group_.rank].size();
+    for (std::size_t e = 0; e < own; ++e) {
+      double sum = 0;
+      for (int w = 0; w < n_; ++w) sum += parameter_contributions_[static_cast<std::size_t>(w) * own + e];
+      parameter_average_[e] = static_cast<float>(sum / n_);
+    }
+    std::fill(averages_sent_.begin(), averages_sent_.end(), 0);
+    average_ready_ = true;
+    average_period_ = period_;
+  }
+
+  void send_averages() {
+    if (!average_ready_) return;
+    bool all = true;
+    for (int w = 0; w < n_; ++w) {
+      if (averages_sent_[w]) continue;
+      if (posted_[index(average_sent, w)]) {
+        all = false;
+        continue;
+      }
+      averages_sent_[w] = 1;
+      post(average_sent, w, true, average, average_period_, std::as_writable_bytes(std::span(parameter_average_)));
+    }
+    if (all) average_ready_ = false;
+  }
+
+  void average_arrived(int p) {
+    averages_arrived_[p] = 1;
+    if (std::count(averages_arrived_.begin(), averages_arrived_.end(), 1) < n_) return;
+    // The whole period is done here; every worker's parameters of the next one go to new receives.
+    ++period_;
+    parameters_pushed_ = false;
+    averaging_ = false;
+    post_parameter_receives();
+  }
+
+  X transport_;
+  Options options_;
+  C codec_;
+  Group group_;
+  int n_;
+  int quorum_;
+  std::vector<std::span<float>> gradients_;
+  std::vector<std::span<float>> parameters_;
+  std::thread thread_;
+
+  // Shared by the trainer and the thread.
+  std::mutex mutex_;
+  std::condition_variable state_cv_;
+  std::optional<Error> error_;
+  std::atomic<std::size_t> pending_{0};  // gradients of this iteration not ready yet
+  std::uint64_t iteration_ = 0;          // the trainer's
+  std::uint64_t pushed_ = 0;             // iterations whose pushes have all been encoded
+  bool period_due_ = false, averaging_ = false;
+  bool finishing_ = false, done_posted_ = false, finished_ = false;
+  int dones_received_ = 0;  // workers that have finished, as this rank's server heard
+  StepReport report_;
+
+  // The thread's inbox.
+  std::mutex events_mutex_;
+  std::condition_variable events_cv_;
+  std::vector<std::uint64_t> completions_;
+  bool trainer_event_ = false, stop_ = false;
+
+  // Requests, and whether each is posted (its completion not handled yet).
+  std::vector<Request> requests_;
+  std::vector<std::uint8_t> posted_;
+
+  // Worker.
+  std::vector<float> flat_;  // the gradients, one after another
+  std::vector<ElemRange> parts_;
+  bool copied_ = false;
+  std::vector<detail::TransportBuffer<X>> push_bytes_;
+  std::vector<typename C::State> push_states_;
+  std::vector<std::uint64_t> pushes_encoded_;
+  std::array<std::vector<PullSlot>, 2> pull_slots_;
+  std::vector<std::uint64_t> pull_min_, pulls_sent_;
+  std::vector<std::uint8_t> pull_outstanding_;
+  std::vector<std::int64_t> applied_;  // per part: the iteration last applied, -1 none
+
+  // Server of part group_.rank.
+  std::vector<detail::TransportBuffer<X>> received_pushes_;
+  std::vector<std::uint64_t> received_pull_, pushes_received_, pulls_received_, replies_sent_;
+  std::vector<std::uint64_t> parked_;  // per worker: the oldest iteration its unanswered pull takes
+  std::vector<int> reply_from_;        // per worker: the global slot its reply in flight reads
+  std::size_t window_ = 0;             // iterations that can be open at once, and one more
+  std::vector<float> contributions_;   // window x N pushes, decoded
+  std::vector<std::uint8_t> arrived_;
+  std::vector<std::uint32_t> arrivals_;
+  std::vector<float> sum_;
+  typename C::State global_state_{};
+  std::vector<GlobalSlot> globals_;
+  GlobalSlot* newest_global_ = nullptr;
+  std::int64_t closed_ = -1;
+  std::uint64_t dropped_ = 0;
+
+  // Period averages.
+  std::vector<float> parameter_flat_;
+  std::vector<ElemRange> parameter_parts_;
+  std::vector<float> parameter_contributions_, parameter_average_;
+  int parameters_arrived_ = 0;
+  std::vector<std::uint8_t> averages_sent_, averages_arrived_;
+  bool parameters_pushed_ = false, average_ready_ = false;
+  std::uint64_t period_ = 0, average_period_ = 0;
+};
+
+}  // namespace gradsync::async

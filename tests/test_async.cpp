@@ -1,0 +1,165 @@
+// async::Synchronizer on in-process ranks: staleness bounded under random worker speeds, M-of-N
+// with the workers named, period averages identical everywhere, the synchronous special case equal
+// to the synchronous parameter server bit for bit, and a dead worker failing the others fast.
+
+#include <doctest/doctest.h>
+
+#include <bit>
+#include <random>
+#include <thread>
+
+#include "gradsync/async/synchronizer.hpp"
+#include "gradsync/gradsync.hpp"
+#include "support.hpp"
+
+using namespace gradsync;
+using namespace std::chrono_literals;
+using transport::InProcess;
+using AsyncSync = async::Synchronizer<compression::None, InProcess>;
+
+namespace {
+
+// A toy model step: parameters -= lr * gradient, then the next gradient depends on the parameters
+// and the iteration, so that anything applied wrongly shows in the bits.
+void sgd(std::vector<float>& parameters, const std::vector<float>& gradient) {
+  for (std::size_t i = 0; i < parameters.size(); ++i) parameters[i] -= 0.125f * gradient[i];
+}
+
+void compute_gradient(std::vector<float>& gradient, const std::vector<float>& parameters, int rank, int iteration) {
+  const auto noise = test::random_values(gradient.size(), 1000u * static_cast<unsigned>(iteration) + static_cast<unsigned>(rank));
+  for (std::size_t i = 0; i < gradient.size(); ++i) gradient[i] = 0.5f * parameters[i] + noise[i];
+}
+
+std::uint64_t bits_digest(const std::vector<float>& values) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (float v : values) h = (h ^ std::bit_cast<std::uint32_t>(v)) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+TEST_SUITE("async") {
+  TEST_CASE("staleness 0, quorum N, period 1 is the synchronous parameter server, bit for bit") {
+    constexpr int n = 3, iterations = 6;
+    constexpr std::size_t elements = 1001;
+    std::vector<std::uint64_t> async_digest(n), sync_digest(n);
+    const auto run = [&](bool asynchronous, std::vector<std::uint64_t>& digest) {
+      const auto errors = test::run_ranks(n, [&](InProcess& t) {
+        const int rank = t.rank();
+        std::vector<float> parameters = test::random_values(elements, 7), gradient(elements);
+        std::optional<AsyncSync> a;
+        std::optional<Synchronizer<bucketing::PerTensor, compression::None, topology::ParameterServer, InProcess>> s;
+        if (asynchronous) {
+          a.emplace(std::move(t), async::Options{.staleness = 0, .period = 1, .timeout = 20s});
+          a->add("w", gradient);
+          a->add_parameters(parameters);
+        } else {
+          s.emplace(std::move(t), Options{.timeout = 20s});
+          s->add("w", view(gradient));
+        }
+        for (int i = 0; i < iterations; ++i) {
+          compute_gradient(gradient, parameters, rank, i);
+          if (a) {
+            a->ready(0);
+            a->wait();
+            CHECK(a->last_step().age == 0);
+            CHECK(a->last_step().local_parts == 0);
+          } else {
+            s->ready(0);
+            s->wait();
+          }
+          sgd(parameters, gradient);
+          if (a) a->parameters_updated();
+        }
+        if (a) a->finish();
+        digest[static_cast<std::size_t>(rank)] = bits_digest(parameters);
+      });
+      for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
+    };
+    run(false, sync_digest);
+    run(true, async_digest);
+    for (int r = 0; r < n; ++r) {
+      CHECK(async_digest[static_cast<std::size_t>(r)] == sync_digest[static_cast<std::size_t>(r)]);
+      CHECK(sync_digest[static_cast<std::size_t>(r)] == sync_digest[0]);
+    }
+  }
+
+  TEST_CASE("random worker speeds: staleness never exceeds s, M-of-N uses M workers and names them, periods end equal") {
+    for (const auto& [n, staleness, quorum, period] : {std::tuple{4, 2, 3, 5}, std::tuple{3, 1, 2, 3}, std::tuple{4, 0, 4, 4},
+                                                     std::tuple{2, 4, 1, 0}}) {
+      CAPTURE(n);
+      CAPTURE(staleness);
+      CAPTURE(quorum);
+      constexpr int iterations = 24;
+      constexpr std::size_t elements = 513;
+      std::vector<std::vector<std::uint64_t>> period_digests(static_cast<std::size_t>(n));
+      const auto errors = test::run_ranks(n, [&](InProcess& t) {
+        const int rank = t.rank();
+        std::mt19937 speed(static_cast<unsigned>(rank) * 31u + 5u);
+        std::uniform_int_distribution<int> pause_us(0, rank == n - 1 ? 3000 : 600);  // the last one is slowest
+        std::vector<float> parameters = test::random_values(elements, 11), gradient(elements);
+        AsyncSync sync(std::move(t), {.staleness = staleness, .quorum = quorum, .period = period, .timeout = 20s});
+        sync.add("w", gradient);
+        sync.add_parameters(parameters);
+        std::vector<std::int64_t> last_applied(static_cast<std::size_t>(n), -1);
+        for (int i = 0; i < iterations; ++i) {
+          compute_gradient(gradient, parameters, rank, i);
+          std::this_thread::sleep_for(std::chrono::microseconds(pause_us(speed)));
+          sync.ready(0);
+          sync.wait();
+          const async::StepReport& step = sync.last_step();
+          CHECK(step.iteration == static_cast<std::uint64_t>(i));
+          CHECK(step.age <= staleness);
+          for (int p = 0; p < n; ++p) {
+            const std::int64_t applied = step.applied[static_cast<std::size_t>(p)];
+            if (applied < 0) {
+              // Kept local: allowed only while the last global applied is recent enough.
+              CHECK(last_applied[static_cast<std::size_t>(p)] >= i - staleness);
+              continue;
+            }
+            CHECK(applied > last_applied[static_cast<std::size_t>(p)]);  // never one applied before
+            CHECK(applied >= i - staleness);
+            CHECK(std::popcount(step.contributors[static_cast<std::size_t>(p)]) == quorum);
+            last_applied[static_cast<std::size_t>(p)] = applied;
+          }
+          sgd(parameters, gradient);
+          sync.parameters_updated();
+          if (period > 0 && (i + 1) % period == 0)
+            period_digests[static_cast<std::size_t>(rank)].push_back(bits_digest(parameters));
+        }
+        sync.finish();
+      });
+      for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
+      for (int r = 1; r < n; ++r) CHECK(period_digests[static_cast<std::size_t>(r)] == period_digests[0]);
+      if (period > 0) CHECK(period_digests[0].size() == static_cast<std::size_t>(iterations / period));
+    }
+  }
+
+  TEST_CASE("with quorum N a worker that stops makes the others fail fast, naming what they wait for") {
+    constexpr int n = 3;
+    const auto errors = test::run_ranks(n, [&](InProcess& t) {
+      const int rank = t.rank();
+      std::vector<float> gradient(100, 1.0f);
+      AsyncSync sync(std::move(t), {.staleness = 1, .timeout = 2s});
+      sync.add("w", gradient);
+      for (int i = 0; i < 6; ++i) {
+        if (rank == 2 && i == 2) throw Error(ErrorKind::internal, {.rank = rank, .operation = "train"}, "injected failure");
+        sync.ready(0);
+        sync.wait();
+      }
+      sync.finish();
+    });
+    REQUIRE(errors[2]);
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(errors[static_cast<std::size_t>(r)]);
+      const std::string what = errors[static_cast<std::size_t>(r)]->what();
+      CHECK_MESSAGE((what.find("rank 2") != std::string::npos), what);
+    }
+  }
+
+  TEST_CASE("options that do not fit are refused") {
+    auto world = InProcess::create_world(2);
+    CHECK_THROWS_AS(AsyncSync(std::move(world[0]), {.quorum = 3}), Error);
+    CHECK_THROWS_AS(AsyncSync(std::move(world[1]), {.staleness = -1}), Error);
+  }
+}
