@@ -4,14 +4,20 @@
 //                            [--bucketing fixed-size|per-tensor|time-clustered] [--codec NAME] [--threshold T]
 //                            [--keep F] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]
 //                            [--topology ring|parameter-server|hierarchical] [--servers S] [--dedicated]
+//                            [--staleness S] [--quorum M] [--period K] [--slow-rank R] [--slow-factor F]
 //
 // One process per rank over TCP, placed by the launcher's variables; run without a launcher it
 // trains alone. Rank 0 prints progress, the test accuracy and the communication figures. With
 // --dedicated the last --servers ranks are parameter servers that only aggregate; the others train.
+// With --topology parameter-server and any of --staleness, --quorum or --period the parameter
+// server is asynchronous (gradsync::async::Synchronizer); --slow-rank makes one rank a straggler.
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -44,9 +50,12 @@ struct Options {
   std::string topology = "ring";
   std::size_t servers = 0;
   bool dedicated = false;
+  gs::async::Options asynchronous{.timeout = std::chrono::minutes(2)};
+  bool is_asynchronous = false;  // any of --staleness, --quorum, --period given
 };
 
-void declare_options(CLI::App& app, Options& o) {
+// Returns the asynchronous mode's options, whose presence main() looks at after parsing.
+std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
   tk::add_number(app, "--epochs", o.train.epochs, "passes over the training set", {.low = 1});
   tk::add_number(app, "--batch", o.train.batch, "samples per step, per rank", {.low = 1});
   tk::add_number(app, "--lr", o.train.learning_rate, "learning rate", {.low = 0, .low_open = true});
@@ -64,7 +73,17 @@ void declare_options(CLI::App& app, Options& o) {
   tk::add_number(app, "--seed", o.train.seed, "seeds the model, the shuffling and the codecs' random draws");
   tk::add_choice(app, "--topology", o.topology, "the schedule", tk::topology_names);
   tk::add_server_placement(app, o.servers, o.dedicated, o.topology);
+  const std::array<CLI::Option*, 3> asynchronous{
+      tk::add_number(app, "--staleness", o.asynchronous.staleness,
+                     "asynchronous parameter server: iterations an applied global gradient may lag", {.low = 0}),
+      tk::add_number(app, "--quorum", o.asynchronous.quorum,
+                     "asynchronous parameter server: pushes that make a global gradient (0: every worker)", {.low = 0}),
+      tk::add_number(app, "--period", o.asynchronous.period,
+                     "asynchronous parameter server: parameters averaged every this many steps (0: never)", {.low = 0})};
+  tk::add_number(app, "--slow-rank", o.train.slow_rank, "a straggler: this rank computes --slow-factor times slower");
+  tk::add_number(app, "--slow-factor", o.train.slow_factor, "how much slower --slow-rank computes", {.low = 1});
   app.footer("Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.");
+  return asynchronous;
 }
 
 // A bar on a terminal; every tenth of the epoch as a line otherwise (gradsync-run, logs).
@@ -84,13 +103,15 @@ fmnist::Progress progress_printer() {
   };
 }
 
-template <class Bucketing, class Codec, class Topology>
-int run(const Options& o, tk::JobTransport transport, const Codec& codec, const Topology& topology) {
-  using Sync = gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport>;
-  Sync sync(std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec, topology);
+// Trains through `sync`, then prints and writes what rank 0 measured. `throughput` turns the
+// epochs' reports into every worker's samples per second added up (with an asynchronous
+// parameter server each worker has its own pace).
+template <class Sync, class Throughput>
+int train_and_report(const Options& o, Sync& sync, std::size_t workers, const std::string& codec,
+                     const std::string& topology, Throughput throughput) {
   const bool leader = sync.rank() == 0;
   fmnist::TrainConfig train = o.train;
-  train.workers = static_cast<std::size_t>(tk::workers(topology, sync.size()));
+  train.workers = workers;
   const fmnist::Dataset train_set = fmnist::load_split(o.data, true);
   const fmnist::Dataset test_set = fmnist::load_split(o.data, false);
   std::vector<std::size_t> sizes{train_set.pixels};
@@ -105,28 +126,28 @@ int run(const Options& o, tk::JobTransport transport, const Codec& codec, const 
                train.workers < static_cast<std::size_t>(sync.size())
                    ? fmt::format(" + {} dedicated server(s)", static_cast<std::size_t>(sync.size()) - train.workers)
                    : "",
-               fmt::join(sizes, "-"), model.parameters(), gradient_bytes / 1e6, o.bucketing, codec.describe(),
-               topology.describe(), o.train.learning_rate, o.train.momentum);
-  const auto reports = fmnist::train(sync, model, train_set, leader ? &test_set : nullptr, train,
-                                     leader ? progress_printer() : fmnist::Progress{});
+               fmt::join(sizes, "-"), model.parameters(), gradient_bytes / 1e6, o.bucketing, codec, topology,
+               o.train.learning_rate, o.train.momentum);
+  auto reports = fmnist::train(sync, model, train_set, leader ? &test_set : nullptr, train,
+                               leader ? progress_printer() : fmnist::Progress{});
+  throughput(reports);
   if (!leader) return 0;
-  double seconds = 0, exposed = 0;
+  double seconds = 0, exposed = 0, samples = 0;
   std::uint64_t bytes = 0;
-  std::size_t steps = 0;
   for (const auto& r : reports) {
     fmt::print("epoch {}: test accuracy {:.4f} | {:.1f} s, {:.0f} samples/s | waiting on synchronization {:.1f} s "
                "({:.0f}% of the time) | {:.1f} MB sent by rank 0 ({:.2f} MB a step)\n",
                r.epoch, r.test_accuracy, r.seconds, r.samples_per_second, r.exposed_seconds,
                100 * r.exposed_seconds / r.seconds, r.bytes_sent / 1e6, r.steps ? r.bytes_sent / 1e6 / r.steps : 0.0);
     seconds += r.seconds;
+    samples += r.samples_per_second * r.seconds;
     exposed += r.exposed_seconds;
     bytes += r.bytes_sent;
-    steps += r.steps;
   }
   const auto& last = reports.back();
   fmt::print("done: {} ranks, {} epochs, test accuracy {:.4f}, {:.0f} samples/s, {:.0f}% of step time waiting on "
              "synchronization\n",
-             sync.size(), reports.size(), last.test_accuracy, static_cast<double>(steps * o.train.batch * train.workers) / seconds,
+             sync.size(), reports.size(), last.test_accuracy, samples / seconds,
              100 * exposed / seconds);
   if (!o.json.empty()) {
     tk::Json epochs = tk::Json::array();
@@ -138,20 +159,61 @@ int run(const Options& o, tk::JobTransport transport, const Codec& codec, const 
                         {"loss", tk::rounded(r.loss, 5)},
                         {"test_accuracy", tk::rounded(r.test_accuracy, 4)},
                         {"exposed_seconds", tk::rounded(r.exposed_seconds, 3)},
-                        {"bytes_sent", r.bytes_sent}});
+                        {"bytes_sent", r.bytes_sent},
+                        {"max_age", r.max_age},
+                        {"local_parts_per_step", tk::rounded(r.local_parts, 3)}});
     tk::write_json(o.json, {{"ranks", sync.size()},
                             {"workers", train.workers},
                             {"batch_per_rank", o.train.batch},
                             {"layers", sizes},
                             {"parameters", model.parameters()},
                             {"bucketing", o.bucketing},
-                            {"codec", codec.describe()},
-                            {"topology", topology.describe()},
+                            {"codec", codec},
+                            {"topology", topology},
+                            {"staleness", o.is_asynchronous ? tk::Json(o.asynchronous.staleness) : tk::Json()},
+                            {"quorum", o.is_asynchronous ? tk::Json(o.asynchronous.quorum ? o.asynchronous.quorum
+                                                                                          : sync.size())
+                                                         : tk::Json()},
+                            {"period", o.is_asynchronous ? tk::Json(o.asynchronous.period) : tk::Json()},
+                            {"slow_rank", o.train.slow_rank},
+                            {"slow_factor", o.train.slow_factor},
                             {"learning_rate", tk::as_written(o.train.learning_rate)},
                             {"momentum", tk::as_written(o.train.momentum)},
                             {"epochs", epochs}});
   }
   return 0;
+}
+
+template <class Bucketing, class Codec, class Topology>
+int run(const Options& o, tk::JobTransport transport, const Codec& codec, const Topology& topology) {
+  gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport> sync(
+      std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec, topology);
+  const auto workers = static_cast<std::size_t>(tk::workers(topology, sync.size()));
+  return train_and_report(o, sync, workers, codec.describe(), topology.describe(), [](auto&) {});
+}
+
+// The asynchronous parameter server. Its workers keep their own pace, so the samples per second
+// of an epoch are each worker's own rate added up, gathered by an allreduce on the same
+// connections once training is over.
+template <class Codec>
+int run_asynchronous(const Options& o, tk::JobTransport transport, const Codec& codec) {
+  using Borrowed = gs::transport::Borrowed<tk::JobTransport>;
+  gs::async::Synchronizer<Codec, Borrowed> sync(Borrowed(transport), o.asynchronous, codec);
+  const auto workers = static_cast<std::size_t>(sync.size());
+  const std::string topology =
+      fmt::format("asynchronous parameter-server(staleness={}, quorum={}, period={})", o.asynchronous.staleness,
+                  o.asynchronous.quorum ? o.asynchronous.quorum : sync.size(), o.asynchronous.period);
+  return train_and_report(o, sync, workers, codec.describe(), topology, [&](std::vector<fmnist::EpochReport>& reports) {
+    std::vector<float> rates;
+    for (const auto& r : reports) rates.push_back(static_cast<float>(r.steps * o.train.batch / r.seconds));
+    gs::Synchronizer<gs::bucketing::PerTensor, gs::compression::None, gs::topology::Ring, Borrowed> gather(
+        Borrowed(transport), {.timeout = std::chrono::minutes(2)});
+    gather.add("samples per second", gs::view(rates));
+    gather.ready(0);
+    gather.wait();
+    for (std::size_t e = 0; e < reports.size(); ++e)
+      reports[e].samples_per_second = static_cast<double>(rates[e]) * static_cast<double>(workers);
+  });
 }
 
 template <class Bucketing>
@@ -161,6 +223,7 @@ int with_codec(const Options& o) {
   settings.seed = o.train.seed;
   settings.rank = transport.rank();
   return tk::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
+    if (o.is_asynchronous) return run_asynchronous(o, std::move(transport), codec);
     if (o.topology == "parameter-server")
       return run<Bucketing>(o, std::move(transport), codec,
                             gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated});
@@ -177,8 +240,12 @@ int with_codec(const Options& o) {
 int main(int argc, char** argv) try {
   Options o;
   CLI::App app("Data-parallel training of an MLP on Fashion-MNIST through gradsync", "fmnist");
-  declare_options(app, o);
+  const auto asynchronous = declare_options(app, o);
   if (!tk::parse_options(app, argc, argv)) return 0;
+  o.is_asynchronous = std::any_of(asynchronous.begin(), asynchronous.end(), [](auto* opt) { return opt->count() > 0; });
+  if (o.is_asynchronous && (o.topology != "parameter-server" || o.servers != 0))
+    throw std::invalid_argument("--staleness/--quorum/--period: the asynchronous mode is a parameter server with "
+                                "co-located servers: --topology parameter-server, no --servers");
   if (o.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(o);
   if (o.bucketing == "time-clustered") return with_codec<gs::bucketing::TimeClustered>(o);
   return with_codec<gs::bucketing::FixedSize>(o);

@@ -5,6 +5,13 @@
 // overlaps with the first layers' backward; wait() returns the average and every worker takes the
 // same step. Ranks past the workers are dedicated parameter servers: they train nothing and only
 // take part in each synchronization.
+//
+// With an asynchronous parameter server (gradsync::async::Synchronizer) a worker's wait() returns
+// the newest global gradient within the staleness bound, or its own where none is new, instead of
+// everyone's average of this step; the parameters are registered too, for the period average
+// after the update (parameters_updated()), and finish() ends training on each rank. A straggler is
+// injected with slow_rank/slow_factor: that worker sleeps before each step for (factor - 1) times
+// what its previous step's computation took, so it computes `factor` times slower.
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +20,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "idx.hpp"
@@ -31,7 +39,13 @@ struct TrainConfig {
   std::uint64_t seed = 1;
   std::size_t max_steps = 0;  // per epoch; 0: the whole training set
   std::size_t workers = 0;    // ranks that train, the first ones; 0: every rank
+  int slow_rank = -1;         // a straggler: this rank computes slow_factor times slower
+  double slow_factor = 1;
 };
+
+// An asynchronous synchronizer (gradsync::async::Synchronizer) rather than a synchronous one.
+template <class Sync>
+concept Asynchronous = requires(Sync& sync) { sync.parameters_updated(); };
 
 struct EpochReport {
   int epoch = 0;
@@ -42,6 +56,8 @@ struct EpochReport {
   double test_accuracy = -1;      // -1 where not evaluated
   double exposed_seconds = 0;     // time wait() blocked: communication backward did not hide
   std::uint64_t bytes_sent = 0;   // by this rank
+  double max_age = 0;             // asynchronous: the oldest global gradient applied, in iterations
+  double local_parts = 0;         // asynchronous: parts a step kept local, per step
 };
 
 // progress(epoch, step, steps, samples_per_second, loss) after every step.
@@ -55,8 +71,15 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
   std::vector<std::pair<gradsync::GradId, gradsync::GradId>> ids;  // per layer: weights, bias
   for (std::size_t l = 0; l < model.layers().size(); ++l) {
     Layer& L = model.layers()[l];
-    ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", gradsync::view(L.gw)),
-                     sync.add("fc" + std::to_string(l + 1) + ".bias", gradsync::view(L.gb)));
+    if constexpr (Asynchronous<Sync>) {
+      ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", L.gw),
+                       sync.add("fc" + std::to_string(l + 1) + ".bias", L.gb));
+      sync.add_parameters(L.w);
+      sync.add_parameters(L.b);
+    } else {
+      ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", gradsync::view(L.gw)),
+                       sync.add("fc" + std::to_string(l + 1) + ".bias", gradsync::view(L.gb)));
+    }
   }
   const std::size_t workers = cfg.workers ? cfg.workers : static_cast<std::size_t>(sync.size());
   const auto rank = static_cast<std::size_t>(sync.rank());
@@ -73,18 +96,24 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
     std::mt19937_64 shuffle(cfg.seed * 1000003u + static_cast<std::uint64_t>(epoch));
     std::shuffle(order.begin(), order.end(), shuffle);
     EpochReport report{.epoch = epoch, .steps = steps};
-    double loss_sum = 0;
+    double loss_sum = 0, local_parts = 0;
+    std::chrono::steady_clock::duration computed{};
     const auto start = std::chrono::steady_clock::now();
     for (std::size_t step = 0; step < steps; ++step) {
-      if (server) {  // its part of every synchronization, in backward's order
-        for (std::size_t l = ids.size(); l-- > 0;) {
-          sync.ready(ids[l].first);
-          sync.ready(ids[l].second);
+      if constexpr (!Asynchronous<Sync>) {
+        if (server) {  // its part of every synchronization, in backward's order
+          for (std::size_t l = ids.size(); l-- > 0;) {
+            sync.ready(ids[l].first);
+            sync.ready(ids[l].second);
+          }
+          sync.wait();
+          report.bytes_sent += sync.last_iteration().bytes_sent;
+          continue;
         }
-        sync.wait();
-        report.bytes_sent += sync.last_iteration().bytes_sent;
-        continue;
       }
+      if (static_cast<int>(rank) == cfg.slow_rank)
+        std::this_thread::sleep_for(std::chrono::duration_cast<std::chrono::nanoseconds>(computed * (cfg.slow_factor - 1)));
+      const auto computing = std::chrono::steady_clock::now();
       for (std::size_t s = 0; s < cfg.batch; ++s) {
         const std::size_t sample = order[step * global + rank * cfg.batch + s];
         std::copy_n(data.images.begin() + static_cast<std::ptrdiff_t>(sample * data.pixels), data.pixels,
@@ -95,10 +124,20 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
         sync.ready(ids[l].first);
         sync.ready(ids[l].second);
       });
+      computed = std::chrono::steady_clock::now() - computing;
       sync.wait();
       model.sgd_step(cfg.learning_rate, cfg.momentum);
-      report.exposed_seconds += std::chrono::duration<double>(sync.last_iteration().exposed).count();
-      report.bytes_sent += sync.last_iteration().bytes_sent;
+      if constexpr (Asynchronous<Sync>) {
+        sync.parameters_updated();
+        const auto& applied = sync.last_step();
+        report.exposed_seconds += std::chrono::duration<double>(applied.blocked).count();
+        report.bytes_sent += applied.bytes_sent;
+        report.max_age = std::max(report.max_age, static_cast<double>(applied.age));
+        local_parts += applied.local_parts;
+      } else {
+        report.exposed_seconds += std::chrono::duration<double>(sync.last_iteration().exposed).count();
+        report.bytes_sent += sync.last_iteration().bytes_sent;
+      }
       if (progress) {
         const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         progress(epoch, step + 1, steps, static_cast<double>((step + 1) * global) / elapsed,
@@ -108,12 +147,14 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
     report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     report.samples_per_second = static_cast<double>(steps * global) / report.seconds;
     report.loss = steps ? loss_sum / static_cast<double>(steps) : 0;
+    report.local_parts = steps ? local_parts / static_cast<double>(steps) : 0;
     if (test)
       report.test_accuracy =
           static_cast<double>(model.correct(test->images.data(), test->labels.data(), test->count)) /
           static_cast<double>(test->count);
     reports.push_back(report);
   }
+  if constexpr (Asynchronous<Sync>) sync.finish();
   return reports;
 }
 

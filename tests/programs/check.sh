@@ -83,6 +83,14 @@ case $name in
     refuses --topology --topology tree
     refuses --servers --servers 2
     refuses --dedicated --dedicated
+    refuses --staleness --staleness -1
+    refuses --quorum --quorum x
+    refuses --staleness --staleness 2                                        # the asynchronous mode is a parameter server's
+    refuses --staleness --topology parameter-server --servers 1 --period 5    # with co-located servers
+    refuses --slow-factor --slow-factor 0.5
+    message=$("$program" --data "$work/no-data" --topology parameter-server --staleness 2 --quorum 1 --period 10 \
+      --slow-rank 1 --slow-factor 2 2>&1)
+    if [[ $message == *"$work/no-data"* ]]; then echo "accepted: asynchronous options"; else fail "fmnist: $message"; fi
     # Accepted options get as far as reading the data (absent here).
     message=$("$program" --data "$work/no-data" --hidden 64,32 --codec ef-top-k --keep 0.1 --lr 0.05 --momentum 0.9 \
       --topology parameter-server --servers 1 --seed 7 2>&1)

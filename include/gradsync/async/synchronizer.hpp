@@ -95,6 +95,7 @@ struct StepReport {
   std::vector<std::uint64_t> contributors;  // per part: the workers its server used, bit w = worker w
   std::uint64_t dropped_pushes = 0;  // this rank's server, so far: pushes that came after their iteration closed
   std::chrono::nanoseconds blocked{0};  // wait() blocked for a new enough global gradient
+  std::uint64_t bytes_sent = 0;         // by this rank since the wait() before (worker and server)
 };
 
 
@@ -232,6 +233,8 @@ class Synchronizer final : private transport::CompletionSink {
       at += g.size();
     }
     report_.dropped_pushes = dropped_;
+    report_.bytes_sent = sent_ - sent_reported_;
+    sent_reported_ = sent_;
     ++iteration_;
     period_due_ = options_.period > 0 && iteration_ % static_cast<std::uint64_t>(options_.period) == 0;
     pending_.store(gradients_.size(), std::memory_order_release);
@@ -455,8 +458,10 @@ class Synchronizer final : private transport::CompletionSink {
     posted_[i] = 1;
     requests_[i].report_to(this, i);
     const std::uint64_t tag = engine::control_tag(sequence, engine::ControlMessage::async_parameter_server, kind);
-    if (is_send)
+    if (is_send) {
+      sent_ += bytes.size();
       transport_.send(requests_[i], group_.members[peer], tag, bytes);
+    }
     else
       transport_.recv(requests_[i], group_.members[peer], tag, bytes);
   }
@@ -816,6 +821,7 @@ class Synchronizer final : private transport::CompletionSink {
   GlobalSlot* newest_global_ = nullptr;
   std::int64_t closed_ = -1;
   std::uint64_t dropped_ = 0;
+  std::uint64_t sent_ = 0, sent_reported_ = 0;  // bytes this rank has sent, and as of the last wait()
 
   // Period averages.
   std::vector<float> parameter_flat_;
