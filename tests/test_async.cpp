@@ -157,9 +157,23 @@ TEST_SUITE("async") {
     }
   }
 
-  TEST_CASE("options that do not fit are refused") {
+  TEST_CASE("options that do not fit are refused; a gradient marked ready twice is named") {
     auto world = InProcess::create_world(2);
     CHECK_THROWS_AS(AsyncSync(std::move(world[0]), {.quorum = 3}), Error);
     CHECK_THROWS_AS(AsyncSync(std::move(world[1]), {.staleness = -1}), Error);
+    std::vector<float> gradient(10, 1.0f);
+    AsyncSync alone(std::move(InProcess::create_world(1)[0]), {.timeout = 5s});
+    alone.add("w", gradient);
+    alone.ready(0);
+    try {
+      alone.ready(0);
+      FAIL("ready() twice was accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::invalid_argument);
+      CHECK(std::string(e.what()).find("\"w\"") != std::string::npos);
+    }
+    alone.wait();  // alone, the global gradient is its own
+    CHECK(gradient == std::vector<float>(10, 1.0f));
+    alone.finish();
   }
 }

@@ -168,6 +168,7 @@ class Synchronizer final : private transport::CompletionSink {
     if (thread_.joinable())
       throw Error(ErrorKind::invalid_argument, here("add"), fmt::format("{:?} registered after the first ready()", name));
     gradients_.push_back(gradient);
+    names_.push_back(std::move(name));
     return static_cast<GradId>(gradients_.size() - 1);
   }
 
@@ -183,7 +184,13 @@ class Synchronizer final : private transport::CompletionSink {
   void ready(GradId id) {
     if (!thread_.joinable()) start();
     if (id >= gradients_.size())
-      throw Error(ErrorKind::invalid_argument, here("ready"), fmt::format("no gradient {}", id));
+      throw Error(ErrorKind::invalid_argument, here("ready"),
+                  fmt::format("no gradient has id {} ({} registered)", id, gradients_.size()));
+    if (marked_[id].exchange(1, std::memory_order_acq_rel))
+      throw Error(ErrorKind::invalid_argument, here("ready"),
+                  fmt::format("gradient {:?} (id {}) was marked ready twice in one iteration; call wait() before "
+                              "starting the next",
+                              names_[id], id));
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) wake_thread();
   }
 
@@ -227,11 +234,8 @@ class Synchronizer final : private transport::CompletionSink {
       report_.contributors[p] = slot->contributors;
       report_.age = std::max(report_.age, static_cast<int>(static_cast<std::int64_t>(t) - applied_[p]));
     }
-    std::size_t at = 0;
-    for (auto g : gradients_) {
-      std::copy_n(flat_.begin() + static_cast<std::ptrdiff_t>(at), g.size(), g.begin());
-      at += g.size();
-    }
+    scatter(flat_, gradients_);
+    for (auto& marked : marked_) marked.store(0, std::memory_order_relaxed);
     report_.dropped_pushes = dropped_;
     report_.bytes_sent = sent_ - sent_reported_;
     sent_reported_ = sent_;
@@ -248,11 +252,7 @@ class Synchronizer final : private transport::CompletionSink {
     std::unique_lock lock(mutex_);
     if (!period_due_) return;
     const auto deadline = Clock::now() + options_.timeout;
-    std::size_t at = 0;
-    for (auto q : parameters_) {
-      std::copy(q.begin(), q.end(), parameter_flat_.begin() + static_cast<std::ptrdiff_t>(at));
-      at += q.size();
-    }
+    gather(parameters_, parameter_flat_);
     averaging_ = true;
     lock.unlock();
     wake_thread();
@@ -262,11 +262,7 @@ class Synchronizer final : private transport::CompletionSink {
                   fmt::format("period ending at iteration {}: no average within {} ms from {}", iteration_,
                               options_.timeout.count(), missing_averages()));
     if (error_) throw *error_;
-    at = 0;
-    for (auto q : parameters_) {
-      std::copy_n(parameter_flat_.begin() + static_cast<std::ptrdiff_t>(at), q.size(), q.begin());
-      at += q.size();
-    }
+    scatter(parameter_flat_, parameters_);
     period_due_ = false;
   }
 
@@ -311,6 +307,19 @@ class Synchronizer final : private transport::CompletionSink {
   };
 
   static std::span<std::byte> whole(const detail::TransportBuffer<X>& buffer) { return {buffer.data(), buffer.size()}; }
+
+  // The registered buffers one after another into `flat`, and back.
+  static void gather(const std::vector<std::span<float>>& buffers, std::vector<float>& flat) {
+    auto at = flat.begin();
+    for (auto b : buffers) at = std::copy(b.begin(), b.end(), at);
+  }
+  static void scatter(const std::vector<float>& flat, const std::vector<std::span<float>>& buffers) {
+    auto at = flat.begin();
+    for (auto b : buffers) {
+      std::copy_n(at, b.size(), b.begin());
+      at += static_cast<std::ptrdiff_t>(b.size());
+    }
+  }
   ErrorContext here(const char* operation) const { return {.rank = transport_.rank(), .operation = operation}; }
   std::span<float> flat_part(int p) { return std::span(flat_).subspan(parts_[p].begin, parts_[p].size()); }
   std::span<float> parameter_part(int p) {
@@ -365,6 +374,7 @@ class Synchronizer final : private transport::CompletionSink {
     applied_.assign(per_peer, -1);
     report_.applied.assign(per_peer, -1);
     report_.contributors.assign(per_peer, 0);
+    marked_ = std::vector<std::atomic<std::uint8_t>>(gradients_.size());
     pending_.store(gradients_.size(), std::memory_order_release);
     thread_ = std::thread([this] { run(); });
   }
@@ -520,6 +530,7 @@ class Synchronizer final : private transport::CompletionSink {
         post(push_received, peer, false, push, ++pushes_received_[peer], whole(received_pushes_[peer]));
         break;
       case pull_received:
+        expect_bytes(peer, "pull", bytes, sizeof received_pull_[peer]);
         parked_[peer] = received_pull_[peer];
         post(pull_received, peer, false, pull, ++pulls_received_[peer],
              std::as_writable_bytes(std::span(&received_pull_[peer], 1)));
@@ -539,9 +550,15 @@ class Synchronizer final : private transport::CompletionSink {
         pull_outstanding_[peer] = 0;
         break;
       }
-      case parameters_received: parameter_arrived(); break;
+      case parameters_received:
+        expect_bytes(peer, "parameters", bytes, parameter_parts_[group_.rank].size() * sizeof(float));
+        parameter_arrived();
+        break;
       case done_received: ++dones_received_; break;
-      case average_received: average_arrived(peer); break;
+      case average_received:
+        expect_bytes(peer, "parameter average", bytes, parameter_parts_[peer].size() * sizeof(float));
+        average_arrived(peer);
+        break;
       case push_sent:
       case pull_sent:
       case parameters_sent:
@@ -549,6 +566,15 @@ class Synchronizer final : private transport::CompletionSink {
       case done_sent:
       case sites: break;
     }
+  }
+
+  // A message shorter than its receive: the ranks registered different parameters (a longer one
+  // the transport refuses itself).
+  void expect_bytes(int peer, const char* operation, std::size_t bytes, std::size_t expected) const {
+    if (bytes != expected)
+      throw Error(ErrorKind::protocol, {.rank = transport_.rank(), .peer = group_.members[peer], .operation = operation},
+                  fmt::format("{} bytes where {} were expected: do the ranks register the same parameters?", bytes,
+                              expected));
   }
 
   // Starts whatever has become possible: this iteration's pushes, pulls, answers to parked pulls,
@@ -573,11 +599,7 @@ class Synchronizer final : private transport::CompletionSink {
     if (pushed_ > iteration_ || pending_.load(std::memory_order_acquire) != 0) return;
     const std::uint64_t t = iteration_;
     if (!copied_) {
-      std::size_t at = 0;
-      for (auto g : gradients_) {
-        std::copy(g.begin(), g.end(), flat_.begin() + static_cast<std::ptrdiff_t>(at));
-        at += g.size();
-      }
+      gather(gradients_, flat_);
       copied_ = true;
     }
     bool all = true;
@@ -769,6 +791,7 @@ class Synchronizer final : private transport::CompletionSink {
   int n_;
   int quorum_;
   std::vector<std::span<float>> gradients_;
+  std::vector<std::string> names_;  // for messages
   std::vector<std::span<float>> parameters_;
   std::thread thread_;
 
@@ -777,6 +800,7 @@ class Synchronizer final : private transport::CompletionSink {
   std::condition_variable state_cv_;
   std::optional<Error> error_;
   std::atomic<std::size_t> pending_{0};  // gradients of this iteration not ready yet
+  std::vector<std::atomic<std::uint8_t>> marked_;  // per gradient: ready() called this iteration
   std::uint64_t iteration_ = 0;          // the trainer's
   std::uint64_t pushed_ = 0;             // iterations whose pushes have all been encoded
   bool period_due_ = false, averaging_ = false;
