@@ -91,6 +91,8 @@ std::string run_iterations(Sync& sync, int rank, int n, const std::vector<std::s
   return digest;
 }
 
+const bucketing::FixedSize one_bucket{.cap_bytes = std::size_t{1} << 20, .first_cap_bytes = std::size_t{1} << 20};
+
 // Every child's digest must equal rank 0's.
 void check_identical(const std::vector<test::ChildResult>& results) {
   for (const auto& r : results) {
@@ -100,8 +102,11 @@ void check_identical(const std::vector<test::ChildResult>& results) {
   }
 }
 
-template <class Codec, class Topology>
-void allreduce_everywhere_identical(const char* codec_name, Codec codec, Topology topology, float tolerance) {
+// With PerTensor every bucket is one gradient, reduced in the caller's own memory; buckets of
+// several gradients live in the arena, where receives add on arrival (engine/exchange.hpp).
+template <class Codec, class Topology, class Bucketing = bucketing::PerTensor>
+void allreduce_everywhere_identical(const char* codec_name, Codec codec, Topology topology, float tolerance,
+                                    Bucketing bucketing = {}) {
   const std::vector<std::size_t> sizes{0, 1, 13, 1009, 70001};
   for (int n = 2; n <= 6; ++n) {
     CAPTURE(n);
@@ -111,8 +116,8 @@ void allreduce_everywhere_identical(const char* codec_name, Codec codec, Topolog
     // Hierarchical: machines of two ranks emulated within this one where n is even, else one machine.
     if constexpr (std::is_same_v<Topology, topology::Hierarchical>) shaped.ranks_per_machine = n % 2 == 0 ? 2 : n;
     const auto results = test::run_processes(n, [&](int rank) -> std::string {
-      Synchronizer<bucketing::PerTensor, Codec, Topology, SharedMemory> sync(SharedMemory(options(rank, n, job)),
-                                                                              {.timeout = 30s}, {}, codec, shaped);
+      Synchronizer<Bucketing, Codec, Topology, SharedMemory> sync(SharedMemory(options(rank, n, job)), {.timeout = 30s},
+                                                                  bucketing, codec, shaped);
       return run_iterations(sync, rank, n, sizes, tolerance);
     });
     check_identical(results);
@@ -191,6 +196,8 @@ TEST_SUITE("shared_memory") {
     allreduce_everywhere_identical("none", compression::None{}, topology::Ring{.chunk_elements = 4096}, 1e-5f);
     allreduce_everywhere_identical("ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{},
                                    topology::Ring{.chunk_elements = 4096}, -1);
+    allreduce_everywhere_identical("none, one bucket in the arena", compression::None{},
+                                   topology::Ring{.chunk_elements = 4096}, 1e-5f, one_bucket);
   }
 
   TEST_CASE("parameter server over shared memory: every rank the same bits, 2-6 processes") {
@@ -204,6 +211,8 @@ TEST_SUITE("shared_memory") {
     allreduce_everywhere_identical("none", compression::None{}, topology::Hierarchical{.chunk_elements = 4096}, 1e-5f);
     allreduce_everywhere_identical("ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{},
                                    topology::Hierarchical{.chunk_elements = 4096}, -1);
+    allreduce_everywhere_identical("ef-two-bit, one bucket in the arena", compression::ErrorFeedback<compression::TwoBit>{},
+                                   topology::Hierarchical{.chunk_elements = 4096}, -1, one_bucket);
   }
 
   TEST_CASE("a killed local rank makes the others fail fast, naming it; the segment is gone") {
@@ -327,6 +336,104 @@ TEST_SUITE("shared_memory") {
             tag += 2;
           }
       // Both done before either closes (a closed peer fails the other's operations).
+      SharedMemory::Request b_out, b_in;
+      shm.send(b_out, other, 1, {});
+      shm.recv(b_in, other, 1, {});
+      shm.wait(b_out, deadline());
+      shm.wait(b_in, deadline());
+      shm.deallocate(shared_block);
+      return "ok";
+    });
+    for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+    CHECK_FALSE(segment_exists(job, 2));
+  }
+
+  TEST_CASE("recv_add: the message added to arena values, f32 and f64, sender's buffer in the arena or private, either side first") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      SharedMemory shm(options(rank, 2, job));
+      const int other = 1 - rank;
+      const bool sending = rank == 0;
+      const auto deadline = [] { return std::chrono::steady_clock::now() + 10s; };
+      const auto signal = [&](std::uint64_t tag) {
+        SharedMemory::Request r;
+        shm.send(r, other, tag, {});
+        shm.wait(r, deadline());
+      };
+      const auto await_signal = [&](std::uint64_t tag) {
+        SharedMemory::Request r;
+        shm.recv(r, other, tag, {});
+        shm.wait(r, deadline());
+      };
+      // Values the receiver adds to, and what arrives: both rank-independent, so each side knows
+      // the expected sum; the sizes are more than one 64 KiB piece of a cross-memory read.
+      const auto check = [&]<class T>(std::span<T> values, std::size_t count, std::uint64_t tag,
+                                      const std::string& where) -> std::string {
+        const auto mine = test::random_values(count, static_cast<unsigned>(tag));
+        const auto sent = test::random_values(count, static_cast<unsigned>(tag) + 1);
+        for (std::size_t i = 0; i < count; ++i)
+          if (values[i] != static_cast<T>(mine[i]) + static_cast<T>(sent[i]))
+            return fmt::format("{}: element {} is {}, expected {} + {}", where, i, values[i], mine[i], sent[i]);
+        return "";
+      };
+      const std::size_t count = 100003;
+      const auto shared_block = shm.allocate(count * sizeof(double) + 64);
+      if (!shm.shared(shared_block)) return "no arena block";
+      std::vector<double> private_block(count + 8);
+      std::uint64_t tag = 2000;
+      const auto run = [&]<class T>(T) -> std::string {
+        for (bool send_shared : {false, true})
+          for (bool sender_first : {false, true}) {
+            const auto where = fmt::format("{}, send {}, {} first", sizeof(T) == 4 ? "f32" : "f64",
+                                           send_shared ? "arena" : "private", sender_first ? "sender" : "receiver");
+            const bool here_shared = !sending || send_shared;
+            std::byte* block = here_shared ? shared_block.data() : reinterpret_cast<std::byte*>(private_block.data());
+            const std::span<T> values(reinterpret_cast<T*>(block), count);
+            const auto initial = test::random_values(count, static_cast<unsigned>(tag) + (sending ? 1 : 0));
+            std::copy(initial.begin(), initial.end(), values.begin());
+            SharedMemory::Request r;
+            const bool first = sending == sender_first;
+            if (!first) await_signal(tag + 1);
+            if (sending)
+              shm.send(r, other, tag, std::as_bytes(values));
+            else
+              shm.recv_add(r, other, tag, values);
+            if (first) signal(tag + 1);
+            const std::size_t n = shm.wait(r, deadline());
+            if (n != values.size_bytes()) return fmt::format("{}: {} bytes", where, n);
+            if (!sending)
+              if (auto wrong = check(values, count, tag, where); !wrong.empty()) return wrong;
+            tag += 2;
+          }
+        return "";
+      };
+      if (auto wrong = run(float{}); !wrong.empty()) return wrong;
+      if (auto wrong = run(double{}); !wrong.empty()) return wrong;
+
+      // Only arena memory can be added into; a message that is not whole values fails both sides.
+      std::vector<float> outside(4);
+      if (shm.adds_into(other, std::as_bytes(std::span(outside))) || !shm.adds_into(other, shared_block))
+        return "adds_into: wrong answer";
+      const std::span<float> four(reinterpret_cast<float*>(shared_block.data()), 4);
+      std::string failure;
+      SharedMemory::Request r;
+      try {
+        if (sending) {
+          shm.send(r, other, tag, shared_block.first(6));
+        } else {
+          try {
+            shm.recv_add(r, other, tag, std::span(outside));
+            return "recv_add into private memory was accepted";
+          } catch (const Error& e) {
+            if (e.kind() != ErrorKind::invalid_argument) return e.what();
+          }
+          shm.recv_add(r, other, tag, four);
+        }
+        shm.wait(r, deadline());
+      } catch (const Error& e) {
+        failure = e.what();
+      }
+      if (!contains(failure, "not a whole number of f32 values")) return "misfit: " + failure;
       SharedMemory::Request b_out, b_in;
       shm.send(b_out, other, 1, {});
       shm.recv(b_in, other, 1, {});

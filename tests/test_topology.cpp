@@ -367,6 +367,23 @@ TEST_SUITE("topology") {
         }
   }
 
+  TEST_CASE("receives that only feed an add may add on arrival: the ring's reduce-scatter, hierarchical's hops within a machine") {
+    // 4 ranks, 1000 elements: segments of 250, pieces of at most 100, so 3 per segment.
+    const Group group = Group::world(1, 4);
+    const topology::Ring ring{.chunk_elements = 100};
+    using Exchange = engine::BucketExchange<compression::None, transport::InProcess>;
+    CHECK(Exchange(ring.schedule(group, 1000, {.identity = true}), {}, DType::f32).receives_that_may_add() == 3 * 3);
+    // A codec's encodings must be decoded: nothing to add on arrival, unless selective compression
+    // left the bucket raw.
+    using Fp16Exchange = engine::BucketExchange<compression::Fp16, transport::InProcess>;
+    CHECK(Fp16Exchange(ring.schedule(group, 1000, {}), {}, DType::f32).receives_that_may_add() == 0);
+    CHECK(Fp16Exchange(ring.schedule(group, 1000, {.identity = true}), {}, DType::f32, true).receives_that_may_add() == 9);
+    // 2 machines of 2: the reduce-scatter within the machine (segments of 500, 5 pieces) adds on
+    // arrival whatever the codec; the ring across machines, compressed, does not.
+    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 100};
+    CHECK(Fp16Exchange(two.schedule(group, 1000, {}), {}, DType::f32).receives_that_may_add() == 5);
+  }
+
   TEST_CASE("a hierarchical group that is not whole machines is refused") {
     for (const auto& bad : std::vector<std::tuple<int, int, std::string>>{
              {2, 3, "a group of 3 ranks is not whole machines of 2 ranks each"},

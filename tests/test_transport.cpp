@@ -84,6 +84,49 @@ TEST_SUITE("transport") {
     CHECK(std::string(errors[1]->what()).find("8 bytes") != std::string::npos);
   }
 
+  TEST_CASE("recv_add adds the message to the values there, whichever side posts first; partial values fail both sides") {
+    for (const bool sender_first : {true, false}) {
+      CAPTURE(sender_first);
+      auto errors = test::run_ranks(2, [&](InProcess& t) {
+        std::vector<double> values{1.5, -2.0, 1e300, 0.25};
+        const std::vector<double> sent{0.5, 2.0, 1e300, -0.125};
+        InProcess::Request r, barrier;
+        const auto post = [&] {
+          if (t.rank() == 0)
+            t.send(r, 1, 7, std::as_bytes(std::span(sent)));
+          else
+            t.recv_add(r, 0, 7, std::span(values));
+        };
+        // The side that posts second waits for the other's signal first.
+        const bool first = (t.rank() == 0) == sender_first;
+        if (first) post();
+        if (first) t.send(barrier, 1 - t.rank(), 8, {});
+        else t.recv(barrier, 1 - t.rank(), 8, {});
+        t.wait(barrier, soon());
+        if (!first) post();
+        CHECK(t.wait(r, soon()) == sent.size() * sizeof(double));
+        if (t.rank() == 1) CHECK(values == std::vector<double>{2.0, 0.0, 2e300, 0.125});
+        CHECK(t.adds_into(1 - t.rank(), std::as_bytes(std::span(values))));
+      });
+      CHECK_FALSE(errors[0]);
+      CHECK_FALSE(errors[1]);
+    }
+    auto errors = test::run_ranks(2, [](InProcess& t) {
+      std::array<std::byte, 6> odd{};
+      std::array<float, 4> values{};
+      InProcess::Request r;
+      if (t.rank() == 0)
+        t.send(r, 1, 5, odd);
+      else
+        t.recv_add(r, 0, 5, std::span(values));
+      t.wait(r, soon());
+    });
+    REQUIRE(errors[0]);
+    REQUIRE(errors[1]);
+    CHECK(errors[0]->kind() == ErrorKind::protocol);
+    CHECK(std::string(errors[1]->what()).find("not a whole number of f32 values") != std::string::npos);
+  }
+
   TEST_CASE("a wait past its deadline throws timeout and withdraws the request") {
     auto world = InProcess::create_world(2);
     std::uint32_t value = 0;

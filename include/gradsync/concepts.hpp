@@ -178,6 +178,16 @@ concept PipelineTopology = TopologyPolicy<T> && requires(T t, const T& ct, const
 //                             the transport is destroyed. When a transport has them, the
 //                             Synchronizer's bucket storage and the exchanges' scratch slots come
 //                             from it (detail::TransportBuffer), allocated when a plan is installed.
+//   Optional: recv_add(req, peer, tag, values), values a std::span<float> or std::span<double>,
+//             and adds_into(peer, bytes) -> bool
+//                             a receive that adds the message to `values` (values[i] += value i
+//                             of the message, read as the same type) instead of overwriting them,
+//                             so a reduction needs no scratch copy of what arrives; a message that
+//                             is not a whole number of such values, or too long, is an Error on
+//                             both sides. recv_add may only be posted where adds_into(peer, the
+//                             values' bytes) says so (SharedMemory: values in its arena; Routed:
+//                             from a rank of this machine). The executors use it where a schedule
+//                             receives plain values only to add them (engine/exchange.hpp).
 template <class X>
 concept TransportPolicy = std::movable<X> &&
     requires(X& x, const X& cx, typename X::Request& req, int peer, std::uint64_t tag,
@@ -196,11 +206,21 @@ concept TransportPolicy = std::movable<X> &&
       x.abort(error);
     };
 
-// The optional part of TransportPolicy: a transport that hands out its own memory.
+// The optional parts of TransportPolicy. A transport that hands out its own memory:
 template <class X>
 concept TransportAllocator = TransportPolicy<X> && requires(X& x, std::size_t bytes, std::span<std::byte> block) {
   { x.allocate(bytes) } -> std::same_as<std::span<std::byte>>;
   x.deallocate(block);
 };
+
+// A transport that can add what it receives to the values already there:
+template <class X>
+concept TransportAdder = TransportPolicy<X> &&
+    requires(X& x, const X& cx, typename X::Request& req, int peer, std::uint64_t tag, std::span<float> f32,
+             std::span<double> f64, std::span<const std::byte> bytes) {
+      { cx.adds_into(peer, bytes) } -> std::same_as<bool>;
+      x.recv_add(req, peer, tag, f32);
+      x.recv_add(req, peer, tag, f64);
+    };
 
 }  // namespace gradsync

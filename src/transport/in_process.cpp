@@ -64,8 +64,7 @@ struct InProcessWorld {
     if (!Matcher<Request>::copy(m)) {
       // Everything is read before either request is handed back: its owner may reuse it at once.
       const int sender = send.owner_, receiver = receive.owner_;
-      const auto detail = fmt::format("message of {} bytes (tag {:#x}) does not fit the {}-byte receive", send.size_,
-                                      send.tag_, receive.size_);
+      const auto detail = misfit(send.size_, receive.size_, receive.delivery_, send.tag_);
       fail(send, Error(ErrorKind::protocol, {.rank = sender, .peer = receiver, .operation = "send"}, detail));
       fail(receive, Error(ErrorKind::protocol, {.rank = receiver, .peer = sender, .operation = "recv"}, detail));
       return;
@@ -101,7 +100,7 @@ int InProcess::size() const noexcept { return world_->size; }
 std::string InProcess::describe() const { return "in-process"; }
 
 void InProcess::post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source,
-                     std::byte* destination, std::size_t size) {
+                     std::byte* destination, std::size_t size, detail::Delivery delivery) {
   const char* operation = is_send ? "send" : "recv";
   if (peer < 0 || peer >= world_->size)
     throw Error(ErrorKind::invalid_argument, {.rank = rank_, .peer = peer, .operation = operation},
@@ -109,7 +108,7 @@ void InProcess::post(Request& r, bool is_send, int peer, std::uint64_t tag, cons
   if (r.state_.load(std::memory_order_acquire) == Request::State::pending)
     throw Error(ErrorKind::invalid_argument, {.rank = rank_, .peer = peer, .operation = operation},
                 "request reused while still pending");
-  r.start(is_send, peer, tag, source, destination, size);
+  r.start(is_send, peer, tag, source, destination, size, delivery);
   r.owner_ = rank_;
   r.state_.store(Request::State::pending, std::memory_order_relaxed);
 
@@ -129,6 +128,14 @@ void InProcess::send(Request& r, int peer, std::uint64_t tag, std::span<const st
 
 void InProcess::recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
   post(r, false, peer, tag, nullptr, bytes.data(), bytes.size());
+}
+void InProcess::recv_add(Request& r, int peer, std::uint64_t tag, std::span<float> values) {
+  post(r, false, peer, tag, nullptr, reinterpret_cast<std::byte*>(values.data()), values.size_bytes(),
+       detail::Delivery::add_f32);
+}
+void InProcess::recv_add(Request& r, int peer, std::uint64_t tag, std::span<double> values) {
+  post(r, false, peer, tag, nullptr, reinterpret_cast<std::byte*>(values.data()), values.size_bytes(),
+       detail::Delivery::add_f64);
 }
 
 bool InProcess::test(Request& r) {

@@ -9,10 +9,10 @@
 // own lock and completes a match its own way.
 
 #include <cstddef>
-#include <cstring>
 #include <optional>
 
 #include "detail/intrusive_queue.hpp"
+#include "transport/delivery.hpp"
 
 namespace gradsync::transport::detail {
 
@@ -39,10 +39,11 @@ class Matcher {
     return r.is_send_ ? Match{r, *other} : Match{*other, r};
   }
 
-  // Copies the message into the receive; false, copying nothing, when it does not fit there.
+  // Lands the message in the receive (copied, or added: delivery.hpp); false, touching nothing,
+  // when it does not fit there.
   static bool copy(const Match& m) {
-    if (m.send.size_ > m.receive.size_) return false;
-    if (m.send.size_ != 0) std::memcpy(m.receive.destination_, m.send.source_, m.send.size_);
+    if (!fits(m.send.size_, m.receive.size_, m.receive.delivery_)) return false;
+    deliver(m.receive.destination_, m.send.source_, m.send.size_, m.receive.delivery_);
     return true;
   }
 

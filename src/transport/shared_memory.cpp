@@ -32,6 +32,7 @@
 
 #include "gradsync/launch/environment.hpp"
 #include "launch/setting.hpp"
+#include "transport/delivery.hpp"
 #include "transport/shm/segment.hpp"
 
 namespace gradsync::transport {
@@ -145,7 +146,7 @@ class SharedMemoryEngine {
   std::string describe() const { return fmt::format("shared-memory({} local ranks)", size_); }
 
   void post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
-            std::size_t bytes) {
+            std::size_t bytes, Delivery delivery = Delivery::copy) {
     const char* operation = is_send ? "send" : "recv";
     if (peer < 0 || peer >= size_)
       throw Error(ErrorKind::invalid_argument, context(peer, operation),
@@ -169,7 +170,8 @@ class SharedMemoryEngine {
     mine.size = bytes;
     mine.transferred = mine.other_size = 0;
     mine.copy_errno = 0;
-    r.start(is_send, peer, tag, source, destination, bytes);
+    mine.delivery = static_cast<std::uint32_t>(delivery);
+    r.start(is_send, peer, tag, source, destination, bytes, delivery);
     r.record_ = index;
     r.state_.store(Request::State::pending, std::memory_order_relaxed);
 
@@ -341,46 +343,58 @@ class SharedMemoryEngine {
     return nullptr;
   }
 
-  // Copies the send's bytes into the receive, from whichever process we are: with memcpy when we
-  // can address both buffers (ours, or any in the segment), else by cross-memory attach (the
-  // sender writes into the receiver, the receiver reads from the sender).
+  // Lands the send's bytes in the receive (copied, or added for recv_add), from whichever process
+  // we are: directly when we can address both buffers (ours, or any in the segment), else by
+  // cross-memory attach (the sender writes into the receiver, the receiver reads from the sender).
   void transfer(std::uint32_t send_handle, std::uint32_t receive_handle) {
     Record& send = segment_.record(send_handle);
     Record& receive = segment_.record(receive_handle);
-    if (send.size > receive.size) {
+    const auto delivery = static_cast<Delivery>(receive.delivery);
+    if (!detail::fits(send.size, receive.size, delivery)) {
       send.other_size = receive.size;
       receive.other_size = send.size;
-      send.outcome = receive.outcome = Record::Outcome::too_long;
+      send.delivery = receive.delivery;  // for the sender's error message
+      send.outcome = receive.outcome = Record::Outcome::misfit;
       return;
     }
-    int error = 0;
-    if (send.size != 0) {
-      const bool we_send = send.owner == rank_;
-      std::byte* from = visible(send);
-      std::byte* to = visible(receive);
-      if (from && to) {
-        std::memcpy(to, from, send.size);
-      } else {
-        const pid_t other = segment_.rank(we_send ? receive.owner : send.owner).process.pid;
-        std::size_t moved = 0;
-        while (moved < send.size) {
-          iovec local{.iov_base = reinterpret_cast<void*>((we_send ? send.address : receive.address) + moved),
-                      .iov_len = send.size - moved};
-          iovec remote{.iov_base = reinterpret_cast<void*>((we_send ? receive.address : send.address) + moved),
-                       .iov_len = send.size - moved};
-          const ssize_t n = we_send ? ::process_vm_writev(other, &local, 1, &remote, 1, 0)
-                                    : ::process_vm_readv(other, &local, 1, &remote, 1, 0);
-          if (n <= 0) {
-            error = n < 0 ? errno : EIO;
-            break;
-          }
-          moved += static_cast<std::size_t>(n);
-        }
-      }
-    }
+    const int error = send.size == 0 ? 0 : land(send, receive, delivery);
     send.copy_errno = receive.copy_errno = error;
     send.outcome = receive.outcome = error ? Record::Outcome::copy_failed : Record::Outcome::done;
     send.transferred = receive.transferred = error ? 0 : send.size;
+  }
+
+  // transfer()'s bytes; 0, or the errno of a failed cross-memory copy.
+  int land(const Record& send, const Record& receive, Delivery delivery) {
+    const bool we_send = send.owner == rank_;
+    const std::byte* from = visible(send);
+    std::byte* to = visible(receive);
+    if (from && to) {
+      detail::deliver(to, from, send.size, delivery);
+      return 0;
+    }
+    const pid_t other = segment_.rank(we_send ? receive.owner : send.owner).process.pid;
+    if (delivery == Delivery::copy) {
+      iovec local{.iov_base = reinterpret_cast<void*>(we_send ? send.address : receive.address), .iov_len = send.size};
+      iovec remote{.iov_base = reinterpret_cast<void*>(we_send ? receive.address : send.address), .iov_len = send.size};
+      // One iovec each way: the kernel never splits an element, so it moves all or fails.
+      const ssize_t n = we_send ? ::process_vm_writev(other, &local, 1, &remote, 1, 0)
+                                : ::process_vm_readv(other, &local, 1, &remote, 1, 0);
+      return n == static_cast<ssize_t>(send.size) ? 0 : (n < 0 ? errno : EIO);
+    }
+    // Adding needs the values here. recv_add's buffer lies in the arena, so only its receiver,
+    // reaching into a sender's private memory, comes this way: it reads the message in pieces.
+    if (we_send || !to) return EFAULT;
+    alignas(double) std::byte piece[64 * 1024];
+    for (std::size_t done = 0; done < send.size;) {
+      const std::size_t n = std::min(sizeof piece, send.size - done);
+      iovec local{.iov_base = piece, .iov_len = n};
+      iovec remote{.iov_base = reinterpret_cast<void*>(send.address + done), .iov_len = n};
+      const ssize_t got = ::process_vm_readv(other, &local, 1, &remote, 1, 0);
+      if (got != static_cast<ssize_t>(n)) return got < 0 ? errno : EIO;
+      detail::deliver(to + done, piece, n, delivery);
+      done += n;
+    }
+    return 0;
   }
 
   void post_done(int owner, std::uint32_t handle) {
@@ -511,12 +525,11 @@ class SharedMemoryEngine {
     const char* operation = rec.is_send ? "send" : "recv";
     switch (rec.outcome) {
       case Record::Outcome::done: break;
-      case Record::Outcome::too_long: {
+      case Record::Outcome::misfit: {
         const auto send_size = rec.is_send ? rec.size : rec.other_size;
         const auto receive_size = rec.is_send ? rec.other_size : rec.size;
         r->error_ = Error(ErrorKind::protocol, context(rec.peer, operation),
-                          fmt::format("message of {} bytes (tag {:#x}) does not fit the {}-byte receive", send_size,
-                                      rec.tag, receive_size));
+                          detail::misfit(send_size, receive_size, static_cast<Delivery>(rec.delivery), rec.tag));
         break;
       }
       case Record::Outcome::copy_failed:
@@ -676,6 +689,26 @@ void SharedMemory::send(Request& r, int peer, std::uint64_t tag, std::span<const
 }
 void SharedMemory::recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
   engine_->post(r, false, peer, tag, nullptr, bytes.data(), bytes.size());
+}
+template <class T>
+void SharedMemory::post_add(Request& r, int peer, std::uint64_t tag, std::span<T> values) {
+  const auto bytes = std::as_writable_bytes(values);
+  if (!shared(bytes))
+    throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = "recv_add"},
+                fmt::format("recv_add into {} bytes outside this machine's arena: the sender may add them itself, so "
+                            "they must come from allocate() and lie in the arena (adds_into() says where)",
+                            bytes.size()));
+  engine_->post(r, false, peer, tag, nullptr, bytes.data(), bytes.size(),
+                std::is_same_v<T, float> ? detail::Delivery::add_f32 : detail::Delivery::add_f64);
+}
+void SharedMemory::recv_add(Request& r, int peer, std::uint64_t tag, std::span<float> values) {
+  post_add(r, peer, tag, values);
+}
+void SharedMemory::recv_add(Request& r, int peer, std::uint64_t tag, std::span<double> values) {
+  post_add(r, peer, tag, values);
+}
+bool SharedMemory::adds_into(int peer, std::span<const std::byte> bytes) const noexcept {
+  return peer >= 0 && peer < size() && shared(bytes);
 }
 bool SharedMemory::test(Request& r) { return engine_->test(r); }
 std::size_t SharedMemory::wait(Request& r, std::chrono::steady_clock::time_point deadline) {

@@ -16,6 +16,16 @@
 // A slot holds plain values instead of an encoding when the schedule marks it raw (Schedule::
 // slot_raw), or when the whole exchange is raw; compute() is where that is decided, so both
 // executors (run() and the task graph, which calls compute() too) treat raw slots alike.
+//
+// Adding on receive. A receive of plain values (a raw slot, or any slot of an identity codec)
+// whose only use is the decode-and-add right after it can skip the slot: where the transport
+// adds what it receives (TransportAdder) into the bucket's memory, the receive is posted as
+// recv_add and the add step has nothing left to do. One pass over the bytes instead of two (copy
+// into the slot, then add), the same sums bit for bit. Decided per receive when it is posted
+// (adds_into), so a peer the transport cannot add from, or a bucket outside the transport's
+// memory, falls back to the slot. Only a receive that is the first step of its schedule to touch
+// its range qualifies: posted early, it adds while the schedule runs, so nothing else may read or
+// write those values until its add step.
 
 #include <algorithm>
 #include <chrono>
@@ -104,7 +114,10 @@ class BucketExchange {
         slot_capacity_(schedule_.slot_elements.size()),
         slot_bytes_(schedule_.slot_elements.size()),
         requests_(schedule_.steps.size()),
-        completed_(schedule_.steps.size()) {
+        completed_(schedule_.steps.size()),
+        absorbed_recv_(schedule_.steps.size(), no_step),
+        adds_on_receive_(schedule_.steps.size()),
+        added_(schedule_.steps.size()) {
     if (!schedule_.slot_raw.empty() && schedule_.slot_raw.size() != schedule_.slot_elements.size())
       throw Error(ErrorKind::invalid_argument, {.operation = "schedule"},
                   fmt::format("the topology's schedule marks {} slots raw or not, but has {} slots: "
@@ -128,6 +141,12 @@ class BucketExchange {
     states_.reserve(schedule_.steps.size());
     for (const Step& step : schedule_.steps)
       states_.push_back(codec.make_state(step.op == Step::Op::encode && !raw_slot(step.slot) ? step.range.size() : 0, dtype));
+    if constexpr (TransportAdder<X>) find_adds_on_receive(C::identity);
+  }
+
+  // Receives that may add on arrival (the top of this file), for tests and benchmarks.
+  std::size_t receives_that_may_add() const noexcept {
+    return static_cast<std::size_t>(std::count(adds_on_receive_.begin(), adds_on_receive_.end(), std::uint8_t{1}));
   }
 
   const Schedule& schedule() const noexcept { return schedule_; }
@@ -171,6 +190,7 @@ class BucketExchange {
                   fmt::format("codec {} has no {} path", codec.describe(), to_string(dtype_of<T>())));
     } else {
       const auto range = values.subspan(step.range.begin, step.range.size());
+      if (absorbed_recv_[index] != no_step && added_[absorbed_recv_[index]]) return;  // the receive added it
       if (step.slot != no_slot && raw_slot(step.slot)) {
         if (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy)
           return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
@@ -209,6 +229,8 @@ class BucketExchange {
       transport.send(requests_[index], peer, tag, bytes);
       stats.bytes_sent += bytes.size();
       stats.bytes_uncompressed += range.size_bytes();
+    } else if (adds_on_receive(index, peer, range, transport)) {
+      if constexpr (TransportAdder<X>) transport.recv_add(requests_[index], peer, tag, range);
     } else {
       transport.recv(requests_[index], peer, tag,
                      step.slot == no_slot ? std::as_writable_bytes(range) : capacity(step.slot));
@@ -220,7 +242,7 @@ class BucketExchange {
   template <class T>
   void received(std::size_t index, std::size_t bytes) {
     const Step& step = schedule_.steps[index];
-    if (step.slot != no_slot) {
+    if (step.slot != no_slot && !added_[index]) {
       slot_bytes_[step.slot] = bytes;
     } else if (bytes != step.range.size() * sizeof(T)) {
       throw Error(ErrorKind::protocol, {.operation = "recv"},
@@ -256,6 +278,41 @@ class BucketExchange {
   }
   // True when `slot` holds plain values in the accumulation dtype, not the codec's encoding.
   bool raw_slot(std::uint32_t slot) const noexcept { return raw_ || schedule_.raw(slot); }
+
+  // Marks the receives that may add on arrival and the add steps they absorb (the top of this
+  // file): a receive into a slot of plain values, read by nothing but the decode-and-add that
+  // waits for it, over the same range, where no other step touches that range before the add.
+  void find_adds_on_receive(bool identity_codec) {
+    const auto& steps = schedule_.steps;
+    const auto overlaps = [](ElemRange a, ElemRange b) { return a.begin < b.end && b.begin < a.end; };
+    for (std::uint32_t add = 0; add < steps.size(); ++add) {
+      const Step& step = steps[add];
+      if (step.op != Step::Op::decode_add || step.after == no_step || step.range.size() == 0) continue;
+      const std::uint32_t recv = step.after;
+      const Step& arrival = steps[recv];
+      if (arrival.op != Step::Op::recv || arrival.slot != step.slot || arrival.slot == no_slot ||
+          arrival.after != no_step || arrival.range.begin != step.range.begin || arrival.range.end != step.range.end ||
+          !(identity_codec || raw_slot(arrival.slot)))
+        continue;
+      bool alone = true;
+      for (std::uint32_t k = 0; k < steps.size() && alone; ++k)
+        if (k != recv && k != add)
+          alone = steps[k].slot != arrival.slot && !(k < add && overlaps(steps[k].range, step.range));
+      if (!alone) continue;
+      adds_on_receive_[recv] = 1;
+      absorbed_recv_[add] = recv;
+    }
+  }
+
+  // Whether receive `index` is posted as recv_add this time; remembers the answer.
+  template <class T>
+  bool adds_on_receive(std::size_t index, int peer, std::span<T> range, const X& transport) {
+    bool adds = false;
+    if constexpr (TransportAdder<X>)
+      adds = adds_on_receive_[index] && transport.adds_into(peer, std::as_bytes(range));
+    added_[index] = adds;
+    return adds;
+  }
 
   // A raw slot's values into `range`: added, or copied.
   template <class T>
@@ -293,6 +350,9 @@ class BucketExchange {
   detail::TransportBuffer<X> scratch_;
   std::vector<typename X::Request> requests_;  // one per step; only sends and receives use theirs
   std::vector<std::uint8_t> completed_;        // serial executor: transfers already waited for
+  std::vector<std::uint32_t> absorbed_recv_;   // per add step: the receive that may do its work, or no_step
+  std::vector<std::uint8_t> adds_on_receive_;  // per receive: may be posted as recv_add
+  std::vector<std::uint8_t> added_;            // per receive: was, this time
   std::vector<typename C::State> states_;      // one per step; encode steps get real state
 };
 

@@ -44,6 +44,21 @@ class Borrowed {
   {
     x_->deallocate(block);
   }
+  bool adds_into(int peer, std::span<const std::byte> bytes) const noexcept
+    requires TransportAdder<X>
+  {
+    return x_->adds_into(peer, bytes);
+  }
+  void recv_add(Request& r, int peer, std::uint64_t tag, std::span<float> values)
+    requires TransportAdder<X>
+  {
+    x_->recv_add(r, peer, tag, values);
+  }
+  void recv_add(Request& r, int peer, std::uint64_t tag, std::span<double> values)
+    requires TransportAdder<X>
+  {
+    x_->recv_add(r, peer, tag, values);
+  }
   bool test(Request& r) { return x_->test(r); }
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) { return x_->wait(r, deadline); }
   void abort(const Error& cause) { x_->abort(cause); }

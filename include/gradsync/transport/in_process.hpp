@@ -62,6 +62,11 @@ class InProcess {
 
   void send(Request& request, int peer, std::uint64_t tag, std::span<const std::byte> bytes);
   void recv(Request& request, int peer, std::uint64_t tag, std::span<std::byte> bytes);
+  // A receive that adds the message to `values` (TransportAdder, concepts.hpp): every rank
+  // addresses every buffer, so any receive can.
+  void recv_add(Request& request, int peer, std::uint64_t tag, std::span<float> values);
+  void recv_add(Request& request, int peer, std::uint64_t tag, std::span<double> values);
+  bool adds_into(int peer, std::span<const std::byte>) const noexcept { return peer >= 0 && peer < size(); }
   bool test(Request& request);
   std::size_t wait(Request& request, std::chrono::steady_clock::time_point deadline);
   void abort(const Error& cause);
@@ -69,12 +74,13 @@ class InProcess {
  private:
   InProcess(std::shared_ptr<detail::InProcessWorld> world, int rank) : world_(std::move(world)), rank_(rank) {}
   void post(Request& request, bool is_send, int peer, std::uint64_t tag, const std::byte* source,
-            std::byte* destination, std::size_t size);
+            std::byte* destination, std::size_t size, detail::Delivery delivery = detail::Delivery::copy);
 
   std::shared_ptr<detail::InProcessWorld> world_;
   int rank_ = 0;
 };
 
 static_assert(TransportPolicy<InProcess>);
+static_assert(TransportAdder<InProcess>);
 
 }  // namespace gradsync::transport

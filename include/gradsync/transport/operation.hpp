@@ -11,6 +11,10 @@
 
 namespace gradsync::transport::detail {
 
+// How a receive takes its message: copied over the buffer (recv), or added to the values there,
+// read as f32 or f64 (recv_add).
+enum class Delivery : std::uint8_t { copy, add_f32, add_f64 };
+
 template <class Request>
 struct Operation {
   enum class State : std::uint8_t { idle, pending, done, failed };
@@ -22,6 +26,7 @@ struct Operation {
   const std::byte* source_ = nullptr;  // a send's bytes
   std::byte* destination_ = nullptr;   // a receive's buffer
   std::size_t size_ = 0;               // bytes offered (send) or room (receive)
+  Delivery delivery_ = Delivery::copy;  // a receive's
   std::size_t transferred_ = 0;
   std::optional<Error> error_;
   CompletionSink* sink_ = nullptr;  // told of every completion, if set (see completion.hpp)
@@ -37,8 +42,9 @@ struct Operation {
   }
 
   void start(bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
-             std::size_t size) {
+             std::size_t size, Delivery delivery = Delivery::copy) {
     is_send_ = is_send;
+    delivery_ = delivery;
     peer_ = peer;
     tag_ = tag;
     source_ = source;

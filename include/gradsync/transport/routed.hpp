@@ -79,6 +79,22 @@ class Routed {
     else
       remote_.recv(r.remote_, peer, tag, bytes);
   }
+  // Receives that add (TransportAdder), from this machine's ranks only, where `Local` has them.
+  bool adds_into(int peer, std::span<const std::byte> bytes) const noexcept
+    requires TransportAdder<Local>
+  {
+    return on_this_machine(peer) && local_.adds_into(peer - first_rank_, bytes);
+  }
+  void recv_add(Request& r, int peer, std::uint64_t tag, std::span<float> values)
+    requires TransportAdder<Local>
+  {
+    recv_add_locally(r, peer, tag, values);
+  }
+  void recv_add(Request& r, int peer, std::uint64_t tag, std::span<double> values)
+    requires TransportAdder<Local>
+  {
+    recv_add_locally(r, peer, tag, values);
+  }
   bool test(Request& r) { return r.is_local_ ? local_.test(r.local_) : remote_.test(r.remote_); }
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     return r.is_local_ ? local_.wait(r.local_, deadline) : remote_.wait(r.remote_, deadline);
@@ -103,6 +119,17 @@ class Routed {
 
  private:
   bool on_this_machine(int peer) const noexcept { return peer >= first_rank_ && peer < first_rank_ + local_.size(); }
+
+  template <class T>
+  void recv_add_locally(Request& r, int peer, std::uint64_t tag, std::span<T> values) {
+    if (!on_this_machine(peer))
+      throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = "recv_add"},
+                  fmt::format("rank {} is on another machine: only receives from this machine's ranks can add "
+                              "(adds_into() says which)",
+                              peer));
+    r.is_local_ = true;
+    local_.recv_add(r.local_, peer - first_rank_, tag, values);
+  }
 
   Local local_;
   Remote remote_;

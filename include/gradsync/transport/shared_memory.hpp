@@ -106,6 +106,12 @@ class SharedMemory {
 
   void send(Request& request, int peer, std::uint64_t tag, std::span<const std::byte> bytes);
   void recv(Request& request, int peer, std::uint64_t tag, std::span<std::byte> bytes);
+  // A receive that adds the message to `values` (TransportAdder, concepts.hpp). Whoever posts
+  // second adds, so `values` must lie in this rank's arena, where the sender can reach them:
+  // adds_into() says whether they do; elsewhere recv_add throws Error(invalid_argument).
+  void recv_add(Request& request, int peer, std::uint64_t tag, std::span<float> values);
+  void recv_add(Request& request, int peer, std::uint64_t tag, std::span<double> values);
+  bool adds_into(int peer, std::span<const std::byte> bytes) const noexcept;
   bool test(Request& request);
   std::size_t wait(Request& request, std::chrono::steady_clock::time_point deadline);
   void abort(const Error& cause);
@@ -128,9 +134,13 @@ class SharedMemory {
   std::span<std::byte> at_offset(std::uint64_t offset, std::size_t bytes) const;
 
  private:
+  template <class T>
+  void post_add(Request& request, int peer, std::uint64_t tag, std::span<T> values);
+
   std::unique_ptr<detail::SharedMemoryEngine> engine_;
 };
 
 static_assert(TransportPolicy<SharedMemory>);
+static_assert(TransportAdder<SharedMemory>);
 
 }  // namespace gradsync::transport

@@ -29,7 +29,7 @@ namespace gradsync::transport::shm {
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 4;
+inline constexpr std::uint32_t segment_version = 5;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
 inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
 inline constexpr std::size_t page_bytes = 4096;
@@ -48,7 +48,7 @@ struct ProcessIdentity {
 // queued in the receiving rank's mailbox (`next`), and once matched it is queued in its owner's
 // completion list (`done_next`).
 struct Record {
-  enum class Outcome : std::uint32_t { pending, done, too_long, copy_failed };
+  enum class Outcome : std::uint32_t { pending, done, misfit, copy_failed };
   std::uint32_t next = no_record;
   std::uint32_t done_next = no_record;
   std::int32_t owner = -1;  // local ranks
@@ -65,6 +65,9 @@ struct Record {
   std::uint64_t transferred = 0;
   std::uint64_t other_size = 0;  // the other half's size, for a too-long message
   std::int32_t copy_errno = 0;
+  // A receive's transport::detail::Delivery: copied over, or added as f32 or f64 values. On a
+  // send, its receive's once they turn out not to fit, for the sender's error message.
+  std::uint32_t delivery = 0;
 };
 
 struct FifoQueue {
