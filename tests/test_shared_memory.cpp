@@ -93,6 +93,32 @@ std::string run_iterations(Sync& sync, int rank, int n, const std::vector<std::s
 
 const bucketing::FixedSize one_bucket{.cap_bytes = std::size_t{1} << 20, .first_cap_bytes = std::size_t{1} << 20};
 
+// Two ranks taking turns: the side that must post second waits for the other's signal, and both
+// meet at a barrier before either closes (a closed peer fails the other's operations).
+struct Turns {
+  SharedMemory& shm;
+  int other;
+
+  static std::chrono::steady_clock::time_point deadline() { return std::chrono::steady_clock::now() + 10s; }
+  void signal(std::uint64_t tag) {
+    SharedMemory::Request r;
+    shm.send(r, other, tag, {});
+    shm.wait(r, deadline());
+  }
+  void await_signal(std::uint64_t tag) {
+    SharedMemory::Request r;
+    shm.recv(r, other, tag, {});
+    shm.wait(r, deadline());
+  }
+  void barrier() {
+    SharedMemory::Request out, in;
+    shm.send(out, other, 1, {});
+    shm.recv(in, other, 1, {});
+    shm.wait(out, deadline());
+    shm.wait(in, deadline());
+  }
+};
+
 // Every child's digest must equal rank 0's.
 void check_identical(const std::vector<test::ChildResult>& results) {
   for (const auto& r : results) {
@@ -291,17 +317,7 @@ TEST_SUITE("shared_memory") {
     const auto results = test::run_processes(2, [&](int rank) -> std::string {
       SharedMemory shm(options(rank, 2, job));
       const int other = 1 - rank;
-      const auto deadline = [] { return std::chrono::steady_clock::now() + 10s; };
-      const auto signal = [&](std::uint64_t tag) {
-        SharedMemory::Request r;
-        shm.send(r, other, tag, {});
-        shm.wait(r, deadline());
-      };
-      const auto await_signal = [&](std::uint64_t tag) {
-        SharedMemory::Request r;
-        shm.recv(r, other, tag, {});
-        shm.wait(r, deadline());
-      };
+      Turns turns{shm, other};
       const std::size_t bytes = (std::size_t{3} << 20) + 5;  // more than one copy's worth, odd size
       const auto shared_block = shm.allocate(bytes + 64);
       if (!shm.shared(shared_block)) return "no arena block";
@@ -320,13 +336,13 @@ TEST_SUITE("shared_memory") {
             buffer.back() = sending ? ~fill : std::byte{0};
             SharedMemory::Request r;
             const bool first = sending == sender_first;
-            if (!first) await_signal(tag + 1);  // the other side has posted
+            if (!first) turns.await_signal(tag + 1);  // the other side has posted
             if (sending)
               shm.send(r, other, tag, buffer);
             else
               shm.recv(r, other, tag, buffer);
-            if (first) signal(tag + 1);
-            const std::size_t n = shm.wait(r, deadline());
+            if (first) turns.signal(tag + 1);
+            const std::size_t n = shm.wait(r, Turns::deadline());
             const auto where = fmt::format("send {}, receive {}, {} first", send_shared ? "arena" : "private",
                                            receive_shared ? "arena" : "private", sender_first ? "sender" : "receiver");
             if (n != bytes) return fmt::format("{}: {} bytes", where, n);
@@ -335,12 +351,7 @@ TEST_SUITE("shared_memory") {
               return fmt::format("{}: wrong contents", where);
             tag += 2;
           }
-      // Both done before either closes (a closed peer fails the other's operations).
-      SharedMemory::Request b_out, b_in;
-      shm.send(b_out, other, 1, {});
-      shm.recv(b_in, other, 1, {});
-      shm.wait(b_out, deadline());
-      shm.wait(b_in, deadline());
+      turns.barrier();
       shm.deallocate(shared_block);
       return "ok";
     });
@@ -354,17 +365,7 @@ TEST_SUITE("shared_memory") {
       SharedMemory shm(options(rank, 2, job));
       const int other = 1 - rank;
       const bool sending = rank == 0;
-      const auto deadline = [] { return std::chrono::steady_clock::now() + 10s; };
-      const auto signal = [&](std::uint64_t tag) {
-        SharedMemory::Request r;
-        shm.send(r, other, tag, {});
-        shm.wait(r, deadline());
-      };
-      const auto await_signal = [&](std::uint64_t tag) {
-        SharedMemory::Request r;
-        shm.recv(r, other, tag, {});
-        shm.wait(r, deadline());
-      };
+      Turns turns{shm, other};
       // Values the receiver adds to, and what arrives: both rank-independent, so each side knows
       // the expected sum; the sizes are more than one 64 KiB piece of a cross-memory read.
       const auto check = [&]<class T>(std::span<T> values, std::size_t count, std::uint64_t tag,
@@ -393,13 +394,13 @@ TEST_SUITE("shared_memory") {
             std::copy(initial.begin(), initial.end(), values.begin());
             SharedMemory::Request r;
             const bool first = sending == sender_first;
-            if (!first) await_signal(tag + 1);
+            if (!first) turns.await_signal(tag + 1);
             if (sending)
               shm.send(r, other, tag, std::as_bytes(values));
             else
               shm.recv_add(r, other, tag, values);
-            if (first) signal(tag + 1);
-            const std::size_t n = shm.wait(r, deadline());
+            if (first) turns.signal(tag + 1);
+            const std::size_t n = shm.wait(r, Turns::deadline());
             if (n != values.size_bytes()) return fmt::format("{}: {} bytes", where, n);
             if (!sending)
               if (auto wrong = check(values, count, tag, where); !wrong.empty()) return wrong;
@@ -429,16 +430,12 @@ TEST_SUITE("shared_memory") {
           }
           shm.recv_add(r, other, tag, four);
         }
-        shm.wait(r, deadline());
+        shm.wait(r, Turns::deadline());
       } catch (const Error& e) {
         failure = e.what();
       }
       if (!contains(failure, "not a whole number of f32 values")) return "misfit: " + failure;
-      SharedMemory::Request b_out, b_in;
-      shm.send(b_out, other, 1, {});
-      shm.recv(b_in, other, 1, {});
-      shm.wait(b_out, deadline());
-      shm.wait(b_in, deadline());
+      turns.barrier();
       shm.deallocate(shared_block);
       return "ok";
     });

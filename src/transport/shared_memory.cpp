@@ -170,6 +170,7 @@ class SharedMemoryEngine {
     mine.size = bytes;
     mine.transferred = mine.other_size = 0;
     mine.copy_errno = 0;
+    mine.copier = -1;
     mine.delivery = static_cast<std::uint32_t>(delivery);
     r.start(is_send, peer, tag, source, destination, bytes, delivery);
     r.record_ = index;
@@ -197,9 +198,14 @@ class SharedMemoryEngine {
       if (!other)
         append(is_send ? box.sends : box.receives, handle);
       else
-        transfer(is_send ? handle : *other, is_send ? *other : handle);
+        mine.copier = segment_.record(*other).copier = rank_;
     }
+    // The copy runs outside the mailbox: a rank killed mid-copy must not leave the lock held (the
+    // others would wait for it the whole lock patience, then blame the mailbox's owner), and other
+    // posts to that rank need not wait for a whole message. Matched records are off the queues,
+    // so nobody else touches them until post_done() hands them over.
     if (other) {
+      transfer(is_send ? handle : *other, is_send ? *other : handle);
       post_done(rank_, handle);
       post_done(peer, *other);
     }
@@ -334,7 +340,7 @@ class SharedMemoryEngine {
     return lock;
   }
 
-  // ---- matching and copying (caller holds the receiver's mailbox lock) ----
+  // ---- matching (caller holds the receiver's mailbox lock) and copying (outside it) ----
 
   // Where this process sees a record's buffer: its own, or one in the segment; null otherwise.
   std::byte* visible(const Record& r) const {
@@ -486,6 +492,14 @@ class SharedMemoryEngine {
     return any;
   }
 
+  // A matched request whose copy was left to a peer that is gone: it will never complete. (A gone
+  // peer writes nothing more, so its record's outcome can be read without the lists' locks; one it
+  // finished is on our completion list, and completes from there.)
+  bool died_copying(const Request& r) {
+    const Record& record = segment_.record(segment_.handle(rank_, r.record_));
+    return record.copier == r.peer_ && peer_gone(r.peer_) && record.outcome == Record::Outcome::pending;
+  }
+
   // Fails every pending request that the job's failure or a departed peer leaves unanswerable.
   void fail_orphans() {
     std::vector<std::pair<std::uint32_t, Request*>> pending;
@@ -498,7 +512,11 @@ class SharedMemoryEngine {
       auto failure = failure_for(r->peer_, r->is_send_ ? "send" : "recv");
       if (!failure || r->record_ != index || r->state_.load(std::memory_order_acquire) != Request::State::pending)
         continue;
-      if (!withdraw(*r)) continue;  // matched: its completion is already on its way
+      // Matched: its completion is on its way, unless the departed peer was copying it and died.
+      if (!withdraw(*r)) {
+        if (!died_copying(*r)) continue;
+        give_back(index);
+      }
       r->error_ = std::move(*failure);
       finish(*r, Request::State::failed);
     }
@@ -533,6 +551,13 @@ class SharedMemoryEngine {
         break;
       }
       case Record::Outcome::copy_failed:
+        if (rec.copy_errno == ESRCH) {  // the other process is gone: it died before its liveness was checked
+          r->error_ = Error(ErrorKind::peer_failed, context(rec.peer, operation),
+                            fmt::format("rank {} is gone: the copy of {} bytes (tag {:#x}) found no process",
+                                        launch_rank(rec.peer), rec.size, rec.tag));
+          break;
+        }
+        [[fallthrough]];
       case Record::Outcome::pending:
         r->error_ = Error(ErrorKind::internal, context(rec.peer, operation),
                           fmt::format("cross-memory copy of {} bytes (tag {:#x}) failed: {}", rec.size, rec.tag,

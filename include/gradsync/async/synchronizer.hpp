@@ -45,9 +45,17 @@
 // Every rank calls finish() after its last wait(): servers keep answering until every worker has
 // finished.
 //
-// Not yet: dedicated servers and partition counts other than N; f16/bf16/f64 gradients; a dead
-// worker with quorum < N still fails the others through the transport (as with quorum N), instead
-// of being left behind.
+// A dead rank. When the transport says a peer failed (Error(peer_failed) naming it, for a message
+// to or from it: a killed process over Tcp or SharedMemory), the others go on without it as long
+// as the quorum can still be met (at most N - M dead); one more is an Error naming it. Its server
+// is gone with it, so its part keeps each worker's local gradient from then on, and period
+// averages cover the live workers; StepReport::lost_workers names the dead. With quorum N every
+// death is an Error. (A rank that aborts fails the transport for everyone, which no quorum hides.)
+// Once this rank is in finish(), a peer that goes is not a failure: ranks close only after every
+// worker has finished.
+//
+// Not yet: dedicated servers and partition counts other than N (a dead rank's part could then
+// move to a live server); f16/bf16/f64 gradients.
 
 #include <algorithm>
 #include <array>
@@ -96,6 +104,7 @@ struct StepReport {
   std::uint64_t dropped_pushes = 0;  // this rank's server, so far: pushes that came after their iteration closed
   std::chrono::nanoseconds blocked{0};  // wait() blocked for a new enough global gradient
   std::uint64_t bytes_sent = 0;         // by this rank since the wait() before (worker and server)
+  std::uint64_t lost_workers = 0;       // ranks found dead so far (bit w = group rank w), left behind
 };
 
 
@@ -155,10 +164,11 @@ class Synchronizer final : private transport::CompletionSink {
     wake_thread();
     lock.lock();
     if (!state_cv_.wait_until(lock, Clock::now() + options_.timeout, [&] {
-          return error_ || (dones_received_ == n_ && done_posted_ && std::none_of(done_sends(), done_sends_end(), [](auto p) { return p != 0; }));
+          return error_ || (everyone_done() && done_posted_ && std::none_of(done_sends(), done_sends_end(), [](auto p) { return p != 0; }));
         }))
       throw Error(ErrorKind::timeout, here("finish"),
-                  fmt::format("{} of {} workers finished within {} ms", dones_received_, n_, options_.timeout.count()));
+                  fmt::format("{} of {} workers finished within {} ms",
+                              std::count(done_from_.begin(), done_from_.end(), 1), n_, options_.timeout.count()));
     if (error_) throw *error_;
     finished_ = true;
   }
@@ -237,6 +247,7 @@ class Synchronizer final : private transport::CompletionSink {
     scatter(flat_, gradients_);
     for (auto& marked : marked_) marked.store(0, std::memory_order_relaxed);
     report_.dropped_pushes = dropped_;
+    report_.lost_workers = lost_;
     report_.bytes_sent = sent_ - sent_reported_;
     sent_reported_ = sent_;
     ++iteration_;
@@ -372,6 +383,9 @@ class Synchronizer final : private transport::CompletionSink {
     averages_sent_.assign(per_peer, 0);
     averages_arrived_.assign(per_peer, 0);
     applied_.assign(per_peer, -1);
+    dead_.assign(per_peer, 0);
+    done_from_.assign(per_peer, 0);
+    parameters_from_.assign(per_peer, 0);
     report_.applied.assign(per_peer, -1);
     report_.contributors.assign(per_peer, 0);
     marked_ = std::vector<std::atomic<std::uint8_t>>(gradients_.size());
@@ -385,6 +399,7 @@ class Synchronizer final : private transport::CompletionSink {
   bool applicable(std::uint64_t t) {
     const auto oldest = static_cast<std::int64_t>(t) - options_.staleness;
     for (int p = 0; p < n_; ++p) {
+      if (dead_[p]) continue;  // no server: the local gradient
       const PullSlot* slot = newest_unapplied(p);
       if ((slot ? static_cast<std::int64_t>(slot->iteration) : applied_[p]) < oldest) return false;
     }
@@ -463,17 +478,59 @@ class Synchronizer final : private transport::CompletionSink {
 
   // A request is posted again only after its last completion has been handled (posted_ == 0), so a
   // completion always belongs to the posting it is handled for.
+  //
+  // Nothing goes to or comes from a dead peer; one found dead while posting is left behind here.
   void post(Site site, int peer, bool is_send, Kind kind, std::uint64_t sequence, std::span<std::byte> bytes) {
+    if (dead_[peer]) return;
     const std::size_t i = index(site, peer);
-    posted_[i] = 1;
     requests_[i].report_to(this, i);
     const std::uint64_t tag = engine::control_tag(sequence, engine::ControlMessage::async_parameter_server, kind);
-    if (is_send) {
-      sent_ += bytes.size();
-      transport_.send(requests_[i], group_.members[peer], tag, bytes);
+    try {
+      if (is_send)
+        transport_.send(requests_[i], group_.members[peer], tag, bytes);
+      else
+        transport_.recv(requests_[i], group_.members[peer], tag, bytes);
+    } catch (const Error& e) {
+      leave_behind(peer, e);
+      return;
     }
-    else
-      transport_.recv(requests_[i], group_.members[peer], tag, bytes);
+    posted_[i] = 1;
+    if (is_send) sent_ += bytes.size();
+  }
+
+  // A peer's failure, reported for a message to or from it: with quorum < N and the quorum still
+  // within reach the others go on without it (the top of this file); otherwise `e` stands, with
+  // who and what filled in.
+  void leave_behind(int peer, const Error& e) {
+    const int member = group_.members[peer];
+    if (e.kind() != ErrorKind::peer_failed || e.context().peer != member || peer == group_.rank)
+      throw e.filled({.rank = transport_.rank(), .peer = member});
+    if (dead_[peer]) return;
+    if (finishing_) {
+      // This rank's training is over, and so is the peer's, or it would not have closed: every
+      // rank closes only once every worker has finished. Nothing more is needed from it.
+      dead_[peer] = 1;
+      return;
+    }
+    if (n_ - dead_count_ - 1 < quorum_)
+      throw Error(ErrorKind::peer_failed, {.rank = transport_.rank(), .peer = member, .operation = "worker"},
+                  fmt::format("rank {} failed and {} of {} workers would be left, fewer than the quorum {}: {}", member,
+                              n_ - dead_count_ - 1, n_, quorum_, e.what()));
+    dead_[peer] = 1;
+    ++dead_count_;
+    lost_ |= std::uint64_t{1} << peer;
+    parked_[peer] = nothing;
+    // Its part's server is gone: the part stays local, and its share of a period average too.
+    averages_arrived_[peer] = 1;
+    check_averages();
+    // As its server, this rank no longer waits for its parameters.
+    check_parameters();
+  }
+
+  bool everyone_done() const {
+    for (int w = 0; w < n_; ++w)
+      if (!done_from_[w] && !dead_[w]) return false;
+    return true;
   }
 
   void run() {
@@ -521,7 +578,14 @@ class Synchronizer final : private transport::CompletionSink {
     try {
       bytes = transport_.wait(requests_[i], Clock::now() + options_.timeout);  // already settled
     } catch (const Error& e) {
-      throw e.filled({.rank = transport_.rank(), .peer = group_.members[peer]});
+      posted_[i] = 0;
+      if (site == reply_sent) {
+        --globals_[static_cast<std::size_t>(reply_from_[peer])].readers;
+        reply_from_[peer] = -1;
+      }
+      if (site == pull_sent || site == reply_received_0 || site == reply_received_1) pull_outstanding_[peer] = 0;
+      leave_behind(peer, e);
+      return;
     }
     posted_[i] = 0;
     switch (site) {
@@ -552,12 +616,15 @@ class Synchronizer final : private transport::CompletionSink {
       }
       case parameters_received:
         expect_bytes(peer, "parameters", bytes, parameter_parts_[group_.rank].size() * sizeof(float));
-        parameter_arrived();
+        parameters_from_[peer] = 1;
+        ++parameters_arrived_;
+        check_parameters();
         break;
-      case done_received: ++dones_received_; break;
+      case done_received: done_from_[peer] = 1; break;
       case average_received:
         expect_bytes(peer, "parameter average", bytes, parameter_parts_[peer].size() * sizeof(float));
-        average_arrived(peer);
+        averages_arrived_[peer] = 1;
+        check_averages();
         break;
       case push_sent:
       case pull_sent:
@@ -605,6 +672,10 @@ class Synchronizer final : private transport::CompletionSink {
     bool all = true;
     for (int p = 0; p < n_; ++p) {
       if (pushes_encoded_[p] > t) continue;
+      if (dead_[p]) {
+        pushes_encoded_[p] = t + 1;
+        continue;
+      }
       if (posted_[index(push_sent, p)]) {
         all = false;
         continue;
@@ -626,7 +697,7 @@ class Synchronizer final : private transport::CompletionSink {
   // (applied, or older than the newest unapplied one): "the newest global gradient after the one
   // I hold".
   void refill_pull(int p) {
-    if (pull_outstanding_[p] || posted_[index(pull_sent, p)]) return;
+    if (dead_[p] || pull_outstanding_[p] || posted_[index(pull_sent, p)]) return;
     const PullSlot* newest = newest_unapplied(p);
     for (std::size_t v = 0; v < pull_slots_.size(); ++v) {
       PullSlot& slot = pull_slots_[v][p];
@@ -711,7 +782,7 @@ class Synchronizer final : private transport::CompletionSink {
   // Answers worker w's parked pull with the newest global gradient, if that is new enough and no
   // earlier reply to w is still on its way.
   void answer_pull(int w) {
-    if (parked_[w] == nothing || !newest_global_ || newest_global_->iteration < parked_[w] || reply_from_[w] >= 0 ||
+    if (dead_[w] || parked_[w] == nothing || !newest_global_ || newest_global_->iteration < parked_[w] || reply_from_[w] >= 0 ||
         posted_[index(reply_sent, w)])
       return;
     GlobalSlot& g = *newest_global_;
@@ -726,6 +797,8 @@ class Synchronizer final : private transport::CompletionSink {
   void post_parameter_receives() {
     const std::size_t own = parameter_parts_[group_.rank].size();
     parameters_arrived_ = 0;
+    period_averaged_ = false;
+    std::fill(parameters_from_.begin(), parameters_from_.end(), 0);
     for (int w = 0; w < n_; ++w)
       post(parameters_received, w, false, parameters, period_,
            std::as_writable_bytes(std::span(parameter_contributions_).subspan(static_cast<std::size_t>(w) * own, own)));
@@ -738,21 +811,27 @@ class Synchronizer final : private transport::CompletionSink {
       if (posted_[index(parameters_sent, p)] || posted_[index(average_received, p)]) return;
     parameters_pushed_ = true;
     for (int p = 0; p < n_; ++p) {
-      averages_arrived_[p] = 0;
+      averages_arrived_[p] = dead_[p];  // a dead server's part keeps this worker's own parameters
       post(average_received, p, false, average, period_, std::as_writable_bytes(parameter_part(p)));
       post(parameters_sent, p, true, parameters, period_, std::as_writable_bytes(parameter_part(p)));
     }
+    check_averages();
   }
 
-  // The server's part: once all N workers' parameters are here, their average, accumulated in f64
-  // in group order (so that equal parameters come back unchanged), goes to all of them.
-  void parameter_arrived() {
-    if (++parameters_arrived_ < n_) return;
+  // The server's part: once every live worker's parameters are here, the average of those that
+  // came, accumulated in f64 in group order (so that equal parameters come back unchanged), goes
+  // to all of them.
+  void check_parameters() {
+    if (period_averaged_ || parameters_arrived_ == 0) return;
+    for (int w = 0; w < n_; ++w)
+      if (!parameters_from_[w] && !dead_[w]) return;
+    period_averaged_ = true;
     const std::size_t own = parameter_parts_[group_.rank].size();
     for (std::size_t e = 0; e < own; ++e) {
       double sum = 0;
-      for (int w = 0; w < n_; ++w) sum += parameter_contributions_[static_cast<std::size_t>(w) * own + e];
-      parameter_average_[e] = static_cast<float>(sum / n_);
+      for (int w = 0; w < n_; ++w)
+        if (parameters_from_[w]) sum += parameter_contributions_[static_cast<std::size_t>(w) * own + e];
+      parameter_average_[e] = static_cast<float>(sum / parameters_arrived_);
     }
     std::fill(averages_sent_.begin(), averages_sent_.end(), 0);
     average_ready_ = true;
@@ -770,13 +849,15 @@ class Synchronizer final : private transport::CompletionSink {
       }
       averages_sent_[w] = 1;
       post(average_sent, w, true, average, average_period_, std::as_writable_bytes(std::span(parameter_average_)));
+      if (!posted_[index(average_sent, w)]) continue;  // dead
     }
     if (all) average_ready_ = false;
   }
 
-  void average_arrived(int p) {
-    averages_arrived_[p] = 1;
-    if (std::count(averages_arrived_.begin(), averages_arrived_.end(), 1) < n_) return;
+  void check_averages() {
+    if (!averaging_ || !parameters_pushed_ ||
+        std::count(averages_arrived_.begin(), averages_arrived_.end(), 1) < n_)
+      return;
     // The whole period is done here; every worker's parameters of the next one go to new receives.
     ++period_;
     parameters_pushed_ = false;
@@ -805,7 +886,10 @@ class Synchronizer final : private transport::CompletionSink {
   std::uint64_t pushed_ = 0;             // iterations whose pushes have all been encoded
   bool period_due_ = false, averaging_ = false;
   bool finishing_ = false, done_posted_ = false, finished_ = false;
-  int dones_received_ = 0;  // workers that have finished, as this rank's server heard
+  std::vector<std::uint8_t> done_from_;  // per worker: it has finished, as this rank's server heard
+  std::vector<std::uint8_t> dead_;       // per rank: failed and left behind
+  int dead_count_ = 0;
+  std::uint64_t lost_ = 0;               // dead_ as a mask
   StepReport report_;
 
   // The thread's inbox.
@@ -852,8 +936,10 @@ class Synchronizer final : private transport::CompletionSink {
   std::vector<ElemRange> parameter_parts_;
   std::vector<float> parameter_contributions_, parameter_average_;
   int parameters_arrived_ = 0;
+  std::vector<std::uint8_t> parameters_from_;  // per worker: its parameters of this period are here
   std::vector<std::uint8_t> averages_sent_, averages_arrived_;
   bool parameters_pushed_ = false, average_ready_ = false;
+  bool period_averaged_ = false;  // this period's average of the served part has been formed
   std::uint64_t period_ = 0, average_period_ = 0;
 };
 

@@ -29,7 +29,7 @@ namespace gradsync::transport::shm {
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 5;
+inline constexpr std::uint32_t segment_version = 6;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
 inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
 inline constexpr std::size_t page_bytes = 4096;
@@ -68,6 +68,10 @@ struct Record {
   // A receive's transport::detail::Delivery: copied over, or added as f32 or f64 values. On a
   // send, its receive's once they turn out not to fit, for the sender's error message.
   std::uint32_t delivery = 0;
+  // Who copies the message, once its two halves have met: the local rank that posted the second
+  // half. It copies after leaving the mailbox, so a record that is neither queued nor finished
+  // is being copied by this rank; if that rank is gone, the copy never ends.
+  std::int32_t copier = -1;
 };
 
 struct FifoQueue {
@@ -79,7 +83,7 @@ struct RankArea {
   ProcessIdentity process;
   std::uint64_t mapped_at = 0;            // where this rank mapped the segment, for the setup's cross-memory check
   std::atomic<std::uint32_t> closed{0};  // the rank destroyed its transport
-  ipc::interprocess_mutex mailbox_mutex;  // guards sends/receives addressed to this rank, and the copies
+  ipc::interprocess_mutex mailbox_mutex;  // guards sends/receives addressed to this rank (not the copies)
   FifoQueue sends;                        // others' sends to this rank, unmatched
   FifoQueue receives;                     // this rank's receives, unmatched
   ipc::interprocess_mutex done_mutex;     // guards `done`; taken after mailbox_mutex, never before
