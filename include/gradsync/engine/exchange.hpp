@@ -144,7 +144,7 @@ class BucketExchange {
     if constexpr (TransportAdder<X>) find_adds_on_receive(C::identity);
   }
 
-  // Receives that may add on arrival (the top of this file), for tests and benchmarks.
+  // Receives that may add on arrival (the top of this file): what the tests check.
   std::size_t receives_that_may_add() const noexcept {
     return static_cast<std::size_t>(std::count(adds_on_receive_.begin(), adds_on_receive_.end(), std::uint8_t{1}));
   }
