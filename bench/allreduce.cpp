@@ -12,7 +12,7 @@
 // several ranks per machine (LOCAL_WORLD_SIZE > 1) those of one machine talk over shared memory
 // and only the others over TCP (transport::Routed), unless --local-transport tcp.
 //
-// Every iteration starts at a barrier; an iteration's time is the slowest rank's; the table shows
+// Every iteration starts and ends at a barrier; an iteration's time is the slowest rank's; the table shows
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
 // 2(n-1)/n, what each rank moves through its link in a ring allreduce, so busbw compares across
 // world sizes and against the link's bandwidth. GB = 1e9 bytes. Every rank checks the result of
@@ -62,7 +62,7 @@ struct Config {
   std::string topology = "ring";
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
   int ranks_per_machine = 0;   // hierarchical: L; 0 until parsed, then LOCAL_WORLD_SIZE, else 1
-  std::size_t chunk_bytes = std::size_t{1} << 20;
+  std::size_t chunk_bytes = 0;  // 0: the topology's own
   std::string json;
 };
 
@@ -97,13 +97,20 @@ double memcpy_us(std::size_t bytes, int iters) {
   return tk::median(times);
 }
 
+// --chunk-bytes in elements, or the topology's own piece size where it is not given.
+std::size_t chunk_elements(const Config& cfg, std::size_t topology_default) {
+  return cfg.chunk_bytes ? std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float)) : topology_default;
+}
+
+topology::Ring ring_topology(const Config& cfg) { return {.chunk_elements = chunk_elements(cfg, topology::Ring{}.chunk_elements)}; }
+
 topology::ParameterServer parameter_server(const Config& cfg) {
-  return {.partitions = cfg.partitions, .chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
+  return {.partitions = cfg.partitions, .chunk_elements = chunk_elements(cfg, topology::ParameterServer{}.chunk_elements)};
 }
 
 topology::Hierarchical hierarchical(const Config& cfg) {
   return {.ranks_per_machine = cfg.ranks_per_machine,
-          .chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
+          .chunk_elements = chunk_elements(cfg, topology::Hierarchical{}.chunk_elements)};
 }
 
 // --ranks-per-machine's default: LOCAL_WORLD_SIZE (set by torchrun, gradsync-run and netcluster), else 1.
@@ -238,7 +245,7 @@ template <class Codec, class X>
 std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const int n = transport.size();
   const Group group = Group::world(transport.rank(), n);
-  const topology::Ring ring{.chunk_elements = std::max<std::size_t>(1, cfg.chunk_bytes / sizeof(float))};
+  const topology::Ring ring = ring_topology(cfg);
   const topology::ParameterServer ps = parameter_server(cfg);
   const topology::Hierarchical hier = hierarchical(cfg);
   Coordination<X> coordination(transport);
@@ -275,6 +282,9 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
         exchange.run(std::span<float>(values), codec, transport, {group, iteration++, 0, std::chrono::minutes(2)});
       }
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      // Nobody refills (or checks) its values while another rank is still in the timed allreduce:
+      // on a machine shared by several ranks that work would slow the slowest one.
+      coordination.barrier();
       if (i >= cfg.warmup) times.push_back(us);
       if (i == 0 && elementwise<Codec>)
         for (std::size_t e = 0; e < count; ++e) wrong += values[e] != expected[e];
@@ -341,7 +351,10 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
                  "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",
                  {.low = 1});
-  tk::add_byte_size(app, "--chunk-bytes", cfg.chunk_bytes, "the topology's piece size", {.low = sizeof(float)});
+  tk::add_byte_size(app, "--chunk-bytes", cfg.chunk_bytes,
+                    "the topology's piece size (default: its own, 1 MiB for ring and parameter server, 256 KiB for "
+                    "hierarchical)",
+                    {.low = sizeof(float)});
   app.add_option("--json", cfg.json, "also write the rows as JSON to this file");
   app.footer("Sizes take K, M or G suffixes (binary). GB = 1e9 bytes.");
 }
@@ -354,12 +367,11 @@ std::string transport_name(const Config& cfg) {
 }
 
 void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
-  fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {} (chunk {} B), codec {}\n", ranks,
-             transport_name(cfg),
-             cfg.topology == "ring"           ? "ring"
+  fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {}, codec {}\n", ranks, transport_name(cfg),
+             cfg.topology == "ring"           ? ring_topology(cfg).describe()
              : cfg.topology == "hierarchical" ? hierarchical(cfg).describe()
                                               : parameter_server(cfg).describe(),
-             cfg.chunk_bytes, cfg.codec);
+             cfg.codec);
   fmt::print("# {} executor; median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, "
              "one thread\n",
              cfg.executor, cfg.iters, cfg.warmup);

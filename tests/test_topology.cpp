@@ -367,6 +367,44 @@ TEST_SUITE("topology") {
         }
   }
 
+  TEST_CASE("the hierarchical schedule is pipelined: column by column, the link pacing the machine's reduce-scatter") {
+    // 2 machines of 2, 1000 elements, pieces of at most 50: each rank's shard of 500 is 2 segments
+    // across machines of 250, so 5 columns of 2 pieces within the machine.
+    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 50};
+    for (bool identity : {true, false})
+      for (int rank = 0; rank < 4; ++rank) {
+        CAPTURE(identity);
+        CAPTURE(rank);
+        const Schedule s = two.schedule(Group::world(rank, 4), 1000, {.identity = identity});
+        const auto across = [&](const Step& step) { return step.peer / 2 != rank / 2; };
+        std::set<std::pair<std::size_t, std::size_t>> within_pieces;
+        std::size_t within_sends = 0, within_sends_before_across = 0, paced = 0;
+        bool across_yet = false;
+        for (const Step& step : s.steps) {
+          if (!engine::is_transfer(step.op)) continue;
+          if (across(step)) {
+            across_yet = across_yet || step.op == Step::Op::send;
+            continue;
+          }
+          within_pieces.emplace(step.range.begin, step.range.end);
+          if (step.op != Step::Op::send) continue;
+          ++within_sends;
+          within_sends_before_across += !across_yet;
+          paced += step.after != no_step && s.steps[step.after].op == Step::Op::recv && across(s.steps[step.after]);
+        }
+        // Every piece across machines is one piece within, so the graph links exactly those.
+        for (const Step& step : s.steps)
+          if (engine::is_transfer(step.op) && across(step))
+            CHECK(within_pieces.count({step.range.begin, step.range.end}) == 1);
+        // The link starts after two columns of the reduce-scatter within (10 sends each way in
+        // all: 5 columns x 2 pieces, reduce-scatter and allgather, one hop each), not after all.
+        CHECK(within_sends == 20);
+        CHECK(within_sends_before_across == 4);
+        // Columns 2..4 wait for the link: their first sends follow a receive from across.
+        CHECK(paced == 3 * 2);
+      }
+  }
+
   TEST_CASE("receives that only feed an add may add on arrival: the ring's reduce-scatter, hierarchical's hops within a machine") {
     // 4 ranks, 1000 elements: segments of 250, pieces of at most 100, so 3 per segment.
     const Group group = Group::world(1, 4);
@@ -378,10 +416,11 @@ TEST_SUITE("topology") {
     using Fp16Exchange = engine::BucketExchange<compression::Fp16, transport::InProcess>;
     CHECK(Fp16Exchange(ring.schedule(group, 1000, {}), {}, DType::f32).receives_that_may_add() == 0);
     CHECK(Fp16Exchange(ring.schedule(group, 1000, {.identity = true}), {}, DType::f32, true).receives_that_may_add() == 9);
-    // 2 machines of 2: the reduce-scatter within the machine (segments of 500, 5 pieces) adds on
-    // arrival whatever the codec; the ring across machines, compressed, does not.
+    // 2 machines of 2: the reduce-scatter within the machine (segments of 500, cut in 2 parts of
+    // 250 like the ring across, 3 pieces each) adds on arrival whatever the codec; the ring across
+    // machines, compressed, does not.
     const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 100};
-    CHECK(Fp16Exchange(two.schedule(group, 1000, {}), {}, DType::f32).receives_that_may_add() == 5);
+    CHECK(Fp16Exchange(two.schedule(group, 1000, {}), {}, DType::f32).receives_that_may_add() == 6);
   }
 
   TEST_CASE("a hierarchical group that is not whole machines is refused") {

@@ -151,6 +151,12 @@ class BucketExchange {
 
   const Schedule& schedule() const noexcept { return schedule_; }
 
+  // Whether decode-and-add step `index` has nothing left to do: its receive added on arrival.
+  // Known once that receive is posted.
+  bool added_on_receive(std::size_t index) const noexcept {
+    return absorbed_recv_[index] != no_step && added_[absorbed_recv_[index]];
+  }
+
   // The serial executor: leaves the group's average in `values`; returns what it cost.
   template <class T>
   ExchangeStats run(std::span<T> values, const C& codec, X& transport, const ExchangeContext& ctx) {
@@ -190,7 +196,7 @@ class BucketExchange {
                   fmt::format("codec {} has no {} path", codec.describe(), to_string(dtype_of<T>())));
     } else {
       const auto range = values.subspan(step.range.begin, step.range.size());
-      if (absorbed_recv_[index] != no_step && added_[absorbed_recv_[index]]) return;  // the receive added it
+      if (added_on_receive(index)) return;
       if (step.slot != no_slot && raw_slot(step.slot)) {
         if (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy)
           return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);

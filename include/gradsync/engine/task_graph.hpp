@@ -172,6 +172,10 @@ class TaskGraph final : private transport::CompletionSink {
  private:
   using Clock = std::chrono::steady_clock;
 
+  // How long one pass of the communication thread posts before it looks at completions again:
+  // about a third of a 1 MiB copy, so cheap posts go in one batch and copies one or two at a time.
+  static constexpr std::chrono::microseconds posting_budget{100};
+
   struct Job {
     BucketExchange<C, X>* exchange = nullptr;
     Dependencies graph;
@@ -221,6 +225,8 @@ class TaskGraph final : private transport::CompletionSink {
       communication_ready_.push_back(task);
       std::push_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
       communication_cv_.notify_one();
+    } else if (step < job.steps() && job.exchange->added_on_receive(step)) {
+      done(task);  // an add its receive already did: handing it to a compute thread would only delay what follows
     } else {
       job.ready_at[step] = Clock::now();
       compute_ready_.push_back(task);
@@ -398,6 +404,7 @@ class TaskGraph final : private transport::CompletionSink {
       posting_.push_back(communication_ready_.back());
       communication_ready_.pop_back();
     }
+    posted_count_ = 0;
     std::swap(completions_, settling_);
     pass.finished_iteration = std::exchange(report_finished_, false);
     if (pass.finished_iteration) reports_pending_ = true;  // until this pass has posted the report
@@ -412,10 +419,16 @@ class TaskGraph final : private transport::CompletionSink {
     return pass;
   }
 
-  // Posts every transfer in `posting_`; with coordination a send is reported and held for its
-  // grant instead, and a posted receive is reported.
+  // Posts the transfers in `posting_`, in queue order, until the pass has taken `posting_budget`;
+  // with coordination a send is reported and held for its grant instead, and a posted receive is
+  // reported. A post that meets its other half may copy the message itself (shared memory, ranks
+  // that are threads), so a batch can take milliseconds: what is left goes back to the queue
+  // (record()), and a transfer that became ready meanwhile, earlier in the schedule, goes first.
   void post_ready(ExchangeStats& sent) {
+    const auto started = Clock::now();
     for (std::uint64_t task : posting_) {
+      if (posted_count_ > 0 && Clock::now() - started > posting_budget) break;
+      ++posted_count_;
       working_on_ = task;
       Job& job = jobs_[bucket_of(task)];
       const Step& step = job.exchange->schedule().steps[step_of(task)];
@@ -509,7 +522,13 @@ class TaskGraph final : private transport::CompletionSink {
   void record(Clock::time_point now, const ExchangeStats& sent, std::optional<Error> error) {
     communicating_ = false;
     if (channel_) done_cv_.notify_all();  // install() may be waiting for this
-    for (std::uint64_t task : posting_) {
+    for (std::size_t i = 0; i < posting_.size(); ++i) {
+      const std::uint64_t task = posting_[i];
+      if (i >= posted_count_) {  // the pass ran out of time before this one
+        communication_ready_.push_back(task);
+        std::push_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
+        continue;
+      }
       if (in_flight_++ == 0) in_flight_since_ = now;
       posted_.push_back({now + timeout_, task});
     }
@@ -570,6 +589,7 @@ class TaskGraph final : private transport::CompletionSink {
 
   // The communication thread's batches, kept here so that their capacity is reused.
   std::vector<std::uint64_t> posting_;
+  std::size_t posted_count_ = 0;  // how many of posting_ this pass posted
   std::vector<std::uint64_t> settling_;
   std::vector<std::uint64_t> finished_;
   std::uint64_t working_on_ = 0;  // the communication thread's current task, to locate its errors

@@ -14,8 +14,15 @@
 //                     Call it on the object that ran reduce_scatter(): receives in place wait for
 //                     the reduce-scatter send of the same piece.
 //
-// topology::Hierarchical runs reduce_scatter() and allgather() of a ring round one machine's ranks
-// with allreduce() of a ring across machines in between.
+// Those list the steps phase by phase, each phase step by step, receives first. A topology that
+// interleaves rings lists them piece by piece instead: for each piece p < piece_count() whichever
+// of reduce_scatter_piece(p), allreduce_piece(p) and allgather_piece(p) it needs, in the order its
+// data flows, each with its own receives. Either order computes the same values
+// (each element meets the same additions in the same order); the order only says what is urgent,
+// to the serial executor, which walks the list, and to the task graph, which prefers earlier steps.
+//
+// topology::Hierarchical runs reduce_scatter and allgather of a ring round one machine's ranks with
+// an allreduce of a ring across machines in between, piece by piece.
 
 #include <algorithm>
 #include <cstdint>
@@ -58,6 +65,10 @@ struct RingSpec {
   // landing in place. A later step that sends the owned segment in place then needs no `after` on
   // those receives (list order covers a copy, not a transfer).
   bool gather_into_slots = false;
+  // Each segment is cut into this many parts (segment()) and each part into pieces; piece p is
+  // piece p / parts of part p % parts. With `parts` = the machine count, a machine ring's pieces of
+  // a shard are exactly the pieces of the ring across machines that reduces that shard next.
+  int parts = 1;
 };
 
 class RingPhases {
@@ -68,44 +79,76 @@ class RingPhases {
         n_(static_cast<int>(spec_.members.size())),
         r_(spec_.position),
         chunk_(std::max<std::size_t>(1, spec_.chunk_elements)),
+        parts_(std::max(1, spec_.parts)),
         encoded_(spec_.form == RingForm::encoded),
         raw_slots_(spec_.form == RingForm::raw),
         gather_in_place_(!encoded_ && !spec_.gather_into_slots),
-        max_pieces_(pieces(segment_of(0))),
-        rs_recv_(static_cast<std::size_t>(n_ - 1)),
-        rs_send_(static_cast<std::size_t>(n_ - 1)),
-        ag_recv_(static_cast<std::size_t>(n_ - 1)) {}
+        max_pieces_(most_pieces(spec_.range, n_, parts_, chunk_)),
+        rs_recv_(table()),
+        rs_send_(table()),
+        ag_recv_(table()) {}
 
   // Message ids a ring of `members` ranks over `range` in pieces of `chunk_elements` takes.
-  static std::uint32_t message_count(int members, ElemRange range, std::size_t chunk_elements) {
-    const std::size_t chunk = std::max<std::size_t>(1, chunk_elements);
-    const std::size_t largest = segment(range.size(), members, 0).size();
-    return static_cast<std::uint32_t>(2 * static_cast<std::size_t>(members - 1) * ((largest + chunk - 1) / chunk));
+  static std::uint32_t message_count(int members, ElemRange range, std::size_t chunk_elements, int parts = 1) {
+    const std::size_t pieces = most_pieces(range, members, std::max(1, parts), std::max<std::size_t>(1, chunk_elements));
+    return static_cast<std::uint32_t>(2 * static_cast<std::size_t>(members - 1) * pieces);
   }
 
   // The segment this rank ends reduce-scatter with: the one after its own position.
   ElemRange owned_range() const { return segment_of(wrap(r_ + 1)); }
 
+  // ---- phase by phase ----
+
   void allreduce() {
     post_reduce_receives();
     post_gather_receives();
-    reduce_sends();
-    owned_pieces(/*sum=*/true, /*average=*/true, /*gather=*/true);
-    gather_receives_in_place();
-    gather_forward();
+    for_steps([&](int k, std::size_t p) { reduce_send(k, p); });
+    for_pieces([&](std::size_t p) { owned_piece(p, /*sum=*/true, /*average=*/true, /*gather=*/true); });
+    for_steps([&](int k, std::size_t p) { gather_receive_in_place(k, p); });
+    for_steps([&](int k, std::size_t p) { gather_forward(k, p); });
   }
 
   void reduce_scatter() {
     post_reduce_receives();
-    reduce_sends();
-    owned_pieces(/*sum=*/true, /*average=*/false, /*gather=*/false);
+    for_steps([&](int k, std::size_t p) { reduce_send(k, p); });
+    for_pieces([&](std::size_t p) { owned_piece(p, /*sum=*/true, /*average=*/false, /*gather=*/false); });
   }
 
   void allgather() {
     post_gather_receives();
-    owned_pieces(/*sum=*/false, /*average=*/false, /*gather=*/true);
-    gather_receives_in_place();
-    gather_forward();
+    for_pieces([&](std::size_t p) { owned_piece(p, /*sum=*/false, /*average=*/false, /*gather=*/true); });
+    for_steps([&](int k, std::size_t p) { gather_receive_in_place(k, p); });
+    for_steps([&](int k, std::size_t p) { gather_forward(k, p); });
+  }
+
+  // ---- piece by piece ----
+
+  // Piece numbers run below this (some segments may lack the last ones; those steps are skipped).
+  std::size_t piece_count() const noexcept { return max_pieces_; }
+
+  // Each posts the piece's own receives first, then its steps. `after`, if given, holds back the
+  // piece's first send until that step is done (a pace set by another ring).
+  void reduce_scatter_piece(std::size_t p, std::uint32_t after = no_step) {
+    for (int k = 0; k < steps(); ++k) post_reduce_receive(k, p);
+    for (int k = 0; k < steps(); ++k) reduce_send(k, p, k == 0 ? after : no_step);
+    owned_piece(p, /*sum=*/true, /*average=*/false, /*gather=*/false);
+  }
+
+  void allreduce_piece(std::size_t p) {
+    for (int k = 0; k < steps(); ++k) post_reduce_receive(k, p);
+    for (int k = 0; k < steps(); ++k) post_gather_receive(k, p);
+    for (int k = 0; k < steps(); ++k) reduce_send(k, p);
+    owned_piece(p, /*sum=*/true, /*average=*/true, /*gather=*/true);
+    gather_piece(p);
+  }
+
+  // The receive of reduce-scatter step k's piece p, once listed; no_step if the piece is missing.
+  std::uint32_t reduce_receive(int k, std::size_t p) const { return rs_recv_[k][p]; }
+
+  void allgather_piece(std::size_t p) {
+    for (int k = 0; k < steps(); ++k) post_gather_receive(k, p);
+    owned_piece(p, /*sum=*/false, /*average=*/false, /*gather=*/true);
+    gather_piece(p);
   }
 
  private:
@@ -119,15 +162,36 @@ class RingPhases {
     return {spec_.range.begin + s.begin, spec_.range.begin + s.end};
   }
 
-  std::size_t pieces(ElemRange seg) const { return (seg.size() + chunk_ - 1) / chunk_; }
+  // The most pieces any segment has: segment 0 is the largest, its part 0 the largest part.
+  static std::size_t most_pieces(ElemRange range, int members, int parts, std::size_t chunk) {
+    const std::size_t largest_part = segment(segment(range.size(), members, 0).size(), parts, 0).size();
+    return static_cast<std::size_t>(parts) * ((largest_part + chunk - 1) / chunk);
+  }
+
+  // Piece `p` of segment `seg_index`; empty if that segment has no such piece.
+  ElemRange piece_of(int seg_index, std::size_t p) const {
+    const ElemRange seg = segment_of(seg_index);
+    const auto parts = static_cast<std::size_t>(parts_);
+    const ElemRange part = segment(seg.size(), parts_, static_cast<int>(p % parts));
+    const std::size_t begin = part.begin + (p / parts) * chunk_;
+    if (begin >= part.end) return {};
+    return {seg.begin + begin, seg.begin + std::min(part.end, begin + chunk_)};
+  }
+
+  std::vector<std::vector<std::uint32_t>> table() const {
+    return std::vector<std::vector<std::uint32_t>>(static_cast<std::size_t>(std::max(0, n_ - 1)),
+                                                   std::vector<std::uint32_t>(max_pieces_, no_step));
+  }
 
   template <class F>
-  void for_pieces(int seg_index, F&& f) const {
-    const ElemRange seg = segment_of(seg_index);
-    for (std::size_t j = 0, count = pieces(seg); j < count; ++j) {
-      const std::size_t begin = seg.begin + j * chunk_;
-      f(j, ElemRange{begin, std::min(seg.end, begin + chunk_)});
-    }
+  void for_pieces(F&& f) const {
+    for (std::size_t p = 0; p < max_pieces_; ++p) f(p);
+  }
+  // Step by step, each step piece by piece.
+  template <class F>
+  void for_steps(F&& f) const {
+    for (int k = 0; k < steps(); ++k)
+      for (std::size_t p = 0; p < max_pieces_; ++p) f(k, p);
   }
 
   // Message ids: (phase 0 = reduce-scatter, 1 = allgather; step; piece) numbered densely from the
@@ -153,76 +217,83 @@ class RingPhases {
 
   // Reduce-scatter receives go to fresh slots and are posted first: nothing else uses them.
   void post_reduce_receives() {
-    for (int k = 0; k < steps(); ++k)
-      for_pieces(wrap(r_ - k - 1), [&](std::size_t j, ElemRange piece) {
-        rs_recv_[k].push_back(
-            add({.op = Step::Op::recv, .peer = left(), .message = message(0, k, j), .range = piece, .slot = new_slot(piece)}));
-      });
+    for_steps([&](int k, std::size_t p) { post_reduce_receive(k, p); });
   }
 
   // Allgather receives into slots can be posted up front too. In place they overwrite values this
-  // rank still sends, so they wait for that send (gather_receives_in_place).
+  // rank still sends, so they wait for that send and come with their piece (gather_receive_in_place).
   void post_gather_receives() {
-    if (gather_in_place_) return;
-    for (int k = 0; k < steps(); ++k)
-      for_pieces(wrap(r_ - k), [&](std::size_t j, ElemRange piece) {
-        ag_recv_[k].push_back(
-            add({.op = Step::Op::recv, .peer = left(), .message = message(1, k, j), .range = piece, .slot = new_slot(piece)}));
-      });
+    for_steps([&](int k, std::size_t p) { post_gather_receive(k, p); });
   }
 
-  // Reduce-scatter: add what arrived for this segment at step k-1, then pass it on.
-  void reduce_sends() {
-    for (int k = 0; k < steps(); ++k)
-      for_pieces(wrap(r_ - k), [&](std::size_t j, ElemRange piece) {
-        if (k > 0) add_received(rs_recv_[k - 1][j], piece);
-        std::uint32_t slot = no_slot;
-        if (encoded_) {
-          slot = new_slot(piece);
-          add({.op = Step::Op::encode, .range = piece, .slot = slot});
-        }
-        rs_send_[k].push_back(
-            add({.op = Step::Op::send, .peer = right(), .message = message(0, k, j), .range = piece, .slot = slot}));
-      });
+  void post_reduce_receive(int k, std::size_t p) {
+    const ElemRange piece = piece_of(wrap(r_ - k - 1), p);
+    if (!piece.empty())
+      rs_recv_[k][p] =
+          add({.op = Step::Op::recv, .peer = left(), .message = message(0, k, p), .range = piece, .slot = new_slot(piece)});
   }
 
-  // The owned segment: the last contribution, the average, and (encoded once) the first allgather
-  // hop, as asked.
-  void owned_pieces(bool sum, bool average, bool gather) {
-    for_pieces(wrap(r_ + 1), [&](std::size_t j, ElemRange piece) {
-      if (sum && steps() > 0) add_received(rs_recv_[steps() - 1][j], piece);
-      if (average) add({.op = Step::Op::average, .range = piece});
-      if (!gather) return;
-      std::uint32_t slot = no_slot;
-      if (encoded_) {
-        slot = new_slot(piece);
-        add({.op = Step::Op::encode, .range = piece, .slot = slot});
-        add({.op = Step::Op::decode_copy, .range = piece, .slot = slot});
-      }
-      if (steps() > 0)
-        add({.op = Step::Op::send, .peer = right(), .message = message(1, 0, j), .range = piece, .slot = slot});
-    });
+  void post_gather_receive(int k, std::size_t p) {
+    const ElemRange piece = piece_of(wrap(r_ - k), p);
+    if (!gather_in_place_ && !piece.empty())
+      ag_recv_[k][p] =
+          add({.op = Step::Op::recv, .peer = left(), .message = message(1, k, p), .range = piece, .slot = new_slot(piece)});
   }
 
-  void gather_receives_in_place() {
+  // Reduce-scatter step k: add what arrived for this segment at step k-1, then pass it on.
+  void reduce_send(int k, std::size_t p, std::uint32_t after = no_step) {
+    const ElemRange piece = piece_of(wrap(r_ - k), p);
+    if (piece.empty()) return;
+    if (k > 0) add_received(rs_recv_[k - 1][p], piece);
+    std::uint32_t slot = no_slot;
+    if (encoded_) {
+      slot = new_slot(piece);
+      add({.op = Step::Op::encode, .range = piece, .slot = slot});
+    }
+    rs_send_[k][p] =
+        add({.op = Step::Op::send, .peer = right(), .message = message(0, k, p), .range = piece, .slot = slot, .after = after});
+  }
+
+  // A piece of the owned segment: the last contribution, the average, and (encoded once) the
+  // first allgather hop, as asked.
+  void owned_piece(std::size_t p, bool sum, bool average, bool gather) {
+    const ElemRange piece = piece_of(wrap(r_ + 1), p);
+    if (piece.empty()) return;
+    if (sum && steps() > 0) add_received(rs_recv_[steps() - 1][p], piece);
+    if (average) add({.op = Step::Op::average, .range = piece});
+    if (!gather) return;
+    std::uint32_t slot = no_slot;
+    if (encoded_) {
+      slot = new_slot(piece);
+      add({.op = Step::Op::encode, .range = piece, .slot = slot});
+      add({.op = Step::Op::decode_copy, .range = piece, .slot = slot});
+    }
+    if (steps() > 0) add({.op = Step::Op::send, .peer = right(), .message = message(1, 0, p), .range = piece, .slot = slot});
+  }
+
+  void gather_receive_in_place(int k, std::size_t p) {
     if (!gather_in_place_) return;
-    for (int k = 0; k < steps(); ++k)
-      for_pieces(wrap(r_ - k), [&](std::size_t j, ElemRange piece) {
-        ag_recv_[k].push_back(add(
-            {.op = Step::Op::recv, .peer = left(), .message = message(1, k, j), .range = piece, .after = rs_send_[k][j]}));
-      });
+    const ElemRange piece = piece_of(wrap(r_ - k), p);
+    if (piece.empty()) return;
+    ag_recv_[k][p] =
+        add({.op = Step::Op::recv, .peer = left(), .message = message(1, k, p), .range = piece, .after = rs_send_[k][p]});
   }
 
-  // Allgather: take each finished piece and forward it, unless the right neighbour owns it.
-  void gather_forward() {
-    for (int k = 0; k < steps(); ++k)
-      for_pieces(wrap(r_ - k), [&](std::size_t j, ElemRange piece) {
-        const std::uint32_t slot = out_.steps[ag_recv_[k][j]].slot;
-        if (slot != no_slot) add({.op = Step::Op::decode_copy, .range = piece, .slot = slot, .after = ag_recv_[k][j]});
-        if (k + 1 < steps())
-          add({.op = Step::Op::send, .peer = right(), .message = message(1, k + 1, j), .range = piece, .slot = slot,
-               .after = ag_recv_[k][j]});
-      });
+  // Allgather step k: take the finished piece and forward it, unless the right neighbour owns it.
+  void gather_forward(int k, std::size_t p) {
+    const ElemRange piece = piece_of(wrap(r_ - k), p);
+    if (piece.empty()) return;
+    const std::uint32_t slot = out_.steps[ag_recv_[k][p]].slot;
+    if (slot != no_slot) add({.op = Step::Op::decode_copy, .range = piece, .slot = slot, .after = ag_recv_[k][p]});
+    if (k + 1 < steps())
+      add({.op = Step::Op::send, .peer = right(), .message = message(1, k + 1, p), .range = piece, .slot = slot,
+           .after = ag_recv_[k][p]});
+  }
+
+  // The allgather of piece p after its owned part is sent: receives in place, then forwards.
+  void gather_piece(std::size_t p) {
+    for (int k = 0; k < steps(); ++k) gather_receive_in_place(k, p);
+    for (int k = 0; k < steps(); ++k) gather_forward(k, p);
   }
 
   void add_received(std::uint32_t recv, ElemRange piece) {
@@ -234,11 +305,12 @@ class RingPhases {
   int n_;
   int r_;
   std::size_t chunk_;
+  int parts_;
   bool encoded_;
   bool raw_slots_;
   bool gather_in_place_;
   std::size_t max_pieces_;
-  // Per step k, per piece: the steps later phases refer to.
+  // Per step k, per piece p: the steps later phases refer to (no_step where the piece is missing).
   std::vector<std::vector<std::uint32_t>> rs_recv_, rs_send_, ag_recv_;
 };
 
