@@ -378,7 +378,7 @@ TEST_SUITE("topology") {
         const Schedule s = two.schedule(Group::world(rank, 4), 1000, {.identity = identity});
         const auto across = [&](const Step& step) { return step.peer / 2 != rank / 2; };
         std::set<std::pair<std::size_t, std::size_t>> within_pieces;
-        std::size_t within_sends = 0, within_sends_before_across = 0, paced = 0;
+        std::size_t within_sends = 0, within_sends_before_across = 0, paced = 0, gathered = 0;
         bool across_yet = false;
         for (const Step& step : s.steps) {
           if (!engine::is_transfer(step.op)) continue;
@@ -390,7 +390,9 @@ TEST_SUITE("topology") {
           if (step.op != Step::Op::send) continue;
           ++within_sends;
           within_sends_before_across += !across_yet;
-          paced += step.after != no_step && s.steps[step.after].op == Step::Op::recv && across(s.steps[step.after]);
+          const bool after_across =
+              step.after != no_step && s.steps[step.after].op == Step::Op::recv && across(s.steps[step.after]);
+          (step.message < 10 ? paced : gathered) += after_across;  // messages 0..9 reduce-scatter, 10..19 allgather
         }
         // Every piece across machines is one piece within, so the graph links exactly those.
         for (const Step& step : s.steps)
@@ -402,6 +404,9 @@ TEST_SUITE("topology") {
         CHECK(within_sends_before_across == 4);
         // Columns 2..4 wait for the link: their first sends follow a receive from across.
         CHECK(paced == 3 * 2);
+        // Of each column's 2 pieces of the shard, one is finished on the other machine: its send
+        // round this machine follows the receive that brings it.
+        CHECK(gathered == 5);
       }
   }
 

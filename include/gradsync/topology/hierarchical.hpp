@@ -31,7 +31,9 @@
 // column, the reduce-scatter within of column j+1, the allreduce across of column j and the
 // allgather within of column j. So the first bytes cross the slow link once one column is reduced
 // within the machine (not the whole bucket), and the last column's allgather within is all that
-// remains after the link falls quiet. The task graph, which prefers earlier steps of the list,
+// remains after the link falls quiet. Column j's reduce-scatter within waits for the first piece of
+// column j-2 from across (reduce_lead), and a piece finished on another machine goes round this one
+// once the receive that brings it is done (in place, with the identity codec). The task graph, which prefers earlier steps of the list,
 // follows that order; so does the serial executor.
 //
 // Summation order. Element e of shard s lies in segment t of phase 2's split of the shard into M.
@@ -118,17 +120,13 @@ struct Hierarchical {
                                     .chunk_elements = chunk_elements,
                                     .form = detail::RingForm::raw,
                                     .parts = machine_count});
-    // With the identity codec phase 2's allgather would receive in place, and phase 3's in-place
-    // sends of the shard would have to wait for those receives (an `after` names only one); into
-    // slots, a copy ordered by the list suffices.
     detail::RingPhases across(out, {.members = std::move(same_local_rank),
                                     .position = machine,
                                     .range = within.owned_range(),
                                     .chunk_elements = chunk_elements,
                                     .first_message = detail::RingPhases::message_count(local_count, bucket, chunk_elements,
                                                                                        machine_count),
-                                    .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded,
-                                    .gather_into_slots = true});
+                                    .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded});
     // Piece by piece, in the order the data flows (ring_phases.hpp): piece j of the ring across
     // machines is pieces j*M .. j*M+M-1 of the rings within. The next column's reduce-scatter
     // within the machine is listed before this column's exchange across, so that the link always
@@ -136,7 +134,13 @@ struct Hierarchical {
     const auto column = [&](std::size_t j, auto&& phase) {
       for (int t = 0; t < machine_count; ++t) phase(j * static_cast<std::size_t>(machine_count) + static_cast<std::size_t>(t));
     };
-    const auto gather_within = [&](std::size_t p) { within.allgather_piece(p); };
+    // A piece of the shard that arrives from across (in place, with the identity codec) goes on
+    // round the machine once it has arrived.
+    const auto gather_within = [&](std::size_t j) {
+      for (int t = 0; t < machine_count; ++t)
+        within.allgather_piece(j * static_cast<std::size_t>(machine_count) + static_cast<std::size_t>(t),
+                               across.gather_receive_step(t, j));
+    };
     const std::size_t columns = within.piece_count() / static_cast<std::size_t>(machine_count);
     const auto reduce_within = [&](std::size_t j) {
       const std::uint32_t paced_by =
@@ -147,7 +151,7 @@ struct Hierarchical {
     for (std::size_t j = 0; j < columns; ++j) {
       if (j + 1 < columns) reduce_within(j + 1);
       across.allreduce_piece(j);
-      column(j, gather_within);
+      gather_within(j);
     }
     return out;
   }

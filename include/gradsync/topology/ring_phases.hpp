@@ -61,10 +61,6 @@ struct RingSpec {
   std::size_t chunk_elements = 1;   // pieces of at most this many elements (0 counts as 1)
   std::uint32_t first_message = 0;  // ids taken: first_message + [0, message_count(...))
   RingForm form = RingForm::identity;
-  // Not encoded: allgather receives land in fresh slots and are copied out (decode_copy) instead of
-  // landing in place. A later step that sends the owned segment in place then needs no `after` on
-  // those receives (list order covers a copy, not a transfer).
-  bool gather_into_slots = false;
   // Each segment is cut into this many parts (segment()) and each part into pieces; piece p is
   // piece p / parts of part p % parts. With `parts` = the machine count, a machine ring's pieces of
   // a shard are exactly the pieces of the ring across machines that reduces that shard next.
@@ -82,7 +78,7 @@ class RingPhases {
         parts_(std::max(1, spec_.parts)),
         encoded_(spec_.form == RingForm::encoded),
         raw_slots_(spec_.form == RingForm::raw),
-        gather_in_place_(!encoded_ && !spec_.gather_into_slots),
+        gather_in_place_(!encoded_),
         max_pieces_(most_pieces(spec_.range, n_, parts_, chunk_)),
         rs_recv_(table()),
         rs_send_(table()),
@@ -143,12 +139,21 @@ class RingPhases {
   }
 
   // The receive of reduce-scatter step k's piece p, once listed; no_step if the piece is missing.
-  std::uint32_t reduce_receive(int k, std::size_t p) const { return rs_recv_[k][p]; }
+  std::uint32_t reduce_receive(int k, std::size_t p) const { return p < max_pieces_ ? rs_recv_[k][p] : no_step; }
 
-  void allgather_piece(std::size_t p) {
+  // `after`, if given, holds back the send of this rank's own piece until that step is done (the
+  // receive that brings the piece's final values from another ring).
+  void allgather_piece(std::size_t p, std::uint32_t after = no_step) {
     for (int k = 0; k < steps(); ++k) post_gather_receive(k, p);
-    owned_piece(p, /*sum=*/false, /*average=*/false, /*gather=*/true);
+    owned_piece(p, /*sum=*/false, /*average=*/false, /*gather=*/true, after);
     gather_piece(p);
+  }
+
+  // The allgather receive that brings piece p of segment `index` to this rank, once listed; no_step
+  // for the segment this rank owns, which it does not receive, or a missing piece.
+  std::uint32_t gather_receive_step(int index, std::size_t p) const {
+    const int k = wrap(r_ - index);
+    return k < steps() && p < max_pieces_ ? ag_recv_[k][p] : no_step;
   }
 
  private:
@@ -256,7 +261,7 @@ class RingPhases {
 
   // A piece of the owned segment: the last contribution, the average, and (encoded once) the
   // first allgather hop, as asked.
-  void owned_piece(std::size_t p, bool sum, bool average, bool gather) {
+  void owned_piece(std::size_t p, bool sum, bool average, bool gather, std::uint32_t send_after = no_step) {
     const ElemRange piece = piece_of(wrap(r_ + 1), p);
     if (piece.empty()) return;
     if (sum && steps() > 0) add_received(rs_recv_[steps() - 1][p], piece);
@@ -268,7 +273,9 @@ class RingPhases {
       add({.op = Step::Op::encode, .range = piece, .slot = slot});
       add({.op = Step::Op::decode_copy, .range = piece, .slot = slot});
     }
-    if (steps() > 0) add({.op = Step::Op::send, .peer = right(), .message = message(1, 0, p), .range = piece, .slot = slot});
+    if (steps() > 0)
+      add({.op = Step::Op::send, .peer = right(), .message = message(1, 0, p), .range = piece, .slot = slot,
+           .after = send_after});
   }
 
   void gather_receive_in_place(int k, std::size_t p) {
