@@ -173,7 +173,7 @@ class TaskGraph final : private transport::CompletionSink {
   using Clock = std::chrono::steady_clock;
 
   // How long one pass of the communication thread posts before it looks at completions again:
-  // about a third of a 1 MiB copy, so cheap posts go in one batch and copies one or two at a time.
+  // shorter than a 1 MiB copy, so cheap posts go in one batch and copies one or two at a time.
   static constexpr std::chrono::microseconds posting_budget{100};
 
   struct Job {

@@ -33,8 +33,8 @@
 // within the machine (not the whole bucket), and the last column's allgather within is all that
 // remains after the link falls quiet. Column j's reduce-scatter within waits for the first piece of
 // column j-2 from across (reduce_lead), and a piece finished on another machine goes round this one
-// once the receive that brings it is done (in place, with the identity codec). The task graph, which prefers earlier steps of the list,
-// follows that order; so does the serial executor.
+// once the receive that brings it is done (in place, with the identity codec). The task graph,
+// which prefers earlier steps of the list, follows that order; so does the serial executor.
 //
 // Summation order. Element e of shard s lies in segment t of phase 2's split of the shard into M.
 // Machine m's sum is S_m = (..((x[m,s] + x[m,s+1]) + x[m,s+2]) + .. + x[m,s-1]) over local ranks
@@ -128,25 +128,23 @@ struct Hierarchical {
                                                                                        machine_count),
                                     .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded});
     // Piece by piece, in the order the data flows (ring_phases.hpp): piece j of the ring across
-    // machines is pieces j*M .. j*M+M-1 of the rings within. The next column's reduce-scatter
-    // within the machine is listed before this column's exchange across, so that the link always
-    // has the next piece coming and the first leaves after one column, not the whole bucket.
+    // machines is pieces j*M .. j*M+M-1 of the rings within, piece j*M+t lying in segment t across.
+    // The next column's reduce-scatter within the machine is listed before this column's exchange
+    // across, so that the link always has the next piece coming and the first leaves after one
+    // column, not the whole bucket.
     const auto column = [&](std::size_t j, auto&& phase) {
-      for (int t = 0; t < machine_count; ++t) phase(j * static_cast<std::size_t>(machine_count) + static_cast<std::size_t>(t));
+      for (int t = 0; t < machine_count; ++t) phase(j * static_cast<std::size_t>(machine_count) + static_cast<std::size_t>(t), t);
+    };
+    const auto reduce_within = [&](std::size_t j) {
+      const std::uint32_t paced_by = j >= reduce_lead ? across.reduce_receive_step(0, j - reduce_lead) : no_step;
+      column(j, [&](std::size_t p, int) { within.reduce_scatter_piece(p, paced_by); });
     };
     // A piece of the shard that arrives from across (in place, with the identity codec) goes on
     // round the machine once it has arrived.
     const auto gather_within = [&](std::size_t j) {
-      for (int t = 0; t < machine_count; ++t)
-        within.allgather_piece(j * static_cast<std::size_t>(machine_count) + static_cast<std::size_t>(t),
-                               across.gather_receive_step(t, j));
+      column(j, [&](std::size_t p, int t) { within.allgather_piece(p, across.gather_receive_step(t, j)); });
     };
     const std::size_t columns = within.piece_count() / static_cast<std::size_t>(machine_count);
-    const auto reduce_within = [&](std::size_t j) {
-      const std::uint32_t paced_by =
-          j >= reduce_lead && machine_count > 1 ? across.reduce_receive(0, j - reduce_lead) : no_step;
-      column(j, [&](std::size_t p) { within.reduce_scatter_piece(p, paced_by); });
-    };
     if (columns > 0) reduce_within(0);
     for (std::size_t j = 0; j < columns; ++j) {
       if (j + 1 < columns) reduce_within(j + 1);

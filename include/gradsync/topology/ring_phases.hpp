@@ -138,8 +138,11 @@ class RingPhases {
     gather_piece(p);
   }
 
-  // The receive of reduce-scatter step k's piece p, once listed; no_step if the piece is missing.
-  std::uint32_t reduce_receive(int k, std::size_t p) const { return p < max_pieces_ ? rs_recv_[k][p] : no_step; }
+  // The receive of reduce-scatter step k's piece p, once listed; no_step if the ring has no such
+  // step or piece.
+  std::uint32_t reduce_receive_step(int k, std::size_t p) const {
+    return k < steps() && p < max_pieces_ ? rs_recv_[k][p] : no_step;
+  }
 
   // `after`, if given, holds back the send of this rank's own piece until that step is done (the
   // receive that brings the piece's final values from another ring).
