@@ -66,8 +66,7 @@ struct Hierarchical {
   int ranks_per_machine = 0;                          // L, required: at least 1, dividing the group size
   // 256 KiB of f32: a quarter of Ring's, because here a piece is also the unit of pipelining
   // between the phases (the link waits for the first column, and the last column's allgather
-  // within waits for the link). Measured on 2 emulated hosts x 4 ranks at 1 Gbit/s: 16 MiB in
-  // 144 ms with 256 KiB pieces against 148-149 with 1 MiB, the same at 64 MiB (bench/README.md).
+  // within waits for the link): smaller pieces start and end the link sooner.
   std::size_t chunk_elements = std::size_t{1} << 16;
 
   // How many columns the reduce-scatter within a machine may run ahead of the link: column j
