@@ -3,7 +3,8 @@
 // beside a device-to-device copy of the same bytes), in GB/s of f32 input, with the compression
 // ratio.
 //
-//   codecs [--min-mib M] [--max-mib M] [--step-factor F] [--iters I] [--codec NAME...] [--json PATH]
+//   codecs [--min-mib M] [--max-mib M] [--step-factor F] [--iters I] [--codec NAME...] [--on cpu|gpu|both]
+//          [--json PATH]
 //
 // Input is normally distributed (sigma 0.1, inside TwoBit's default threshold for most values,
 // as gradients are); each figure is the median of --iters runs after one warm-up. Error-feedback
@@ -45,6 +46,7 @@ struct Config {
   std::size_t step_factor = 8;
   int iters = 10;
   std::vector<std::string> codecs = tk::codec_names;
+  std::string on = "both";  // which tables: a lent GPU machine's time is too dear for the CPU one
   std::string json;
 };
 
@@ -163,7 +165,56 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--step-factor", cfg.step_factor, "each size is the one before times this", {.low = 2});
   tk::add_number(app, "--iters", cfg.iters, "timed runs of each codec and size, after one warm-up", {.low = 1});
   app.add_option("--codec", cfg.codecs, "the codecs to measure (default: every one)")->check(CLI::IsMember(tk::codec_names));
+  app.add_option("--on", cfg.on, "measure on the cpu, the gpu or both (default)")
+      ->check(CLI::IsMember({"cpu", "gpu", "both"}));
   app.add_option("--json", cfg.json, "also write the rows as JSON to this file");
+}
+
+// The CPU table: one thread, every codec and size.
+void cpu_table(const Config& cfg, std::vector<Row>& rows) {
+  fmt::print("# gradsync codecs on the CPU, one thread, f32 input N(0, 0.1); median of {} runs\n#\n", cfg.iters);
+  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "codec", "size (B)", "encode", "decode", "ratio");
+  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "", "", "(GB/s)", "(GB/s)", "");
+  for (const std::string& name : cfg.codecs)
+    for (std::size_t bytes = cfg.min_mib << 20; bytes <= cfg.max_mib << 20; bytes *= cfg.step_factor) {
+      const Row r = tk::with_codec(name, {}, [&](const auto& codec) { return measure(name, bytes, cfg.iters, codec); });
+      fmt::print("  {:>12} {:>12} {:>10.2f} {:>10.2f} {:>8.1f}\n", r.codec, r.bytes, r.encode_GBps, r.decode_GBps, r.ratio);
+      std::fflush(stdout);
+      rows.push_back(r);
+    }
+}
+
+// The GPU table: device 0, the codecs with a device path, beside a device-to-device copy.
+void gpu_table(const Config& cfg, std::vector<Row>& rows) {
+#if GRADSYNC_HAS_CUDA
+  if (cuda::device_count() == 0) {
+    fmt::print("# no CUDA device: GPU figures need a machine with one\n");
+    return;
+  }
+  cudaDeviceProp properties{};
+  cudaGetDeviceProperties(&properties, 0);
+  cuda::Stream stream;
+  fmt::print("#\n# on the GPU ({}), device buffers, one stream; copy: cudaMemcpy device to device of the input\n#\n",
+             properties.name);
+  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9}\n", "codec", "size (B)", "encode", "decode",
+             "ratio", "copy", "enc/copy", "dec/copy");
+  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9}\n", "", "", "(GB/s)", "(GB/s)", "", "(GB/s)", "",
+             "");
+  for (const std::string& name : cfg.codecs)
+    for (std::size_t bytes = cfg.min_mib << 20; bytes <= cfg.max_mib << 20; bytes *= cfg.step_factor) {
+      const auto r = tk::with_codec(
+          name, {}, [&](const auto& codec) { return measure_device(name, bytes, cfg.iters, codec, stream); });
+      if (!r) continue;  // no device path (top-k)
+      fmt::print("  {:>12} {:>12} {:>10.1f} {:>10.1f} {:>8.1f} {:>10.1f} {:>9.2f} {:>9.2f}\n", r->codec, r->bytes,
+                 r->encode_GBps, r->decode_GBps, r->ratio, r->copy_GBps, r->encode_GBps / r->copy_GBps,
+                 r->decode_GBps / r->copy_GBps);
+      std::fflush(stdout);
+      rows.push_back(*r);
+    }
+#else
+  (void)cfg, (void)rows;
+  fmt::print("# built without CUDA: no GPU table\n");
+#endif
 }
 
 }  // namespace
@@ -174,43 +225,9 @@ int main(int argc, char** argv) try {
   declare_options(app, cfg);
   if (!tk::parse_options(app, argc, argv)) return 0;
   if (cfg.min_mib > cfg.max_mib) throw std::invalid_argument("--min-mib must not exceed --max-mib");
-  fmt::print("# gradsync codecs on the CPU, one thread, f32 input N(0, 0.1); median of {} runs\n#\n", cfg.iters);
-  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "codec", "size (B)", "encode", "decode", "ratio");
-  fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8}\n", "", "", "(GB/s)", "(GB/s)", "");
   std::vector<Row> rows;
-  for (const std::string& name : cfg.codecs)
-    for (std::size_t bytes = cfg.min_mib << 20; bytes <= cfg.max_mib << 20; bytes *= cfg.step_factor) {
-      const Row r = tk::with_codec(name, {}, [&](const auto& codec) { return measure(name, bytes, cfg.iters, codec); });
-      fmt::print("  {:>12} {:>12} {:>10.2f} {:>10.2f} {:>8.1f}\n", r.codec, r.bytes, r.encode_GBps, r.decode_GBps, r.ratio);
-      std::fflush(stdout);
-      rows.push_back(r);
-    }
-#if GRADSYNC_HAS_CUDA
-  if (cuda::device_count() == 0) {
-    fmt::print("# no CUDA device: GPU figures need a machine with one\n");
-  } else {
-    cudaDeviceProp properties{};
-    cudaGetDeviceProperties(&properties, 0);
-    cuda::Stream stream;
-    fmt::print("#\n# on the GPU ({}), device buffers, one stream; copy: cudaMemcpy device to device of the input\n#\n",
-               properties.name);
-    fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9}\n", "codec", "size (B)", "encode", "decode",
-               "ratio", "copy", "enc/copy", "dec/copy");
-    fmt::print("# {:>12} {:>12} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9}\n", "", "", "(GB/s)", "(GB/s)", "", "(GB/s)", "",
-               "");
-    for (const std::string& name : cfg.codecs)
-      for (std::size_t bytes = cfg.min_mib << 20; bytes <= cfg.max_mib << 20; bytes *= cfg.step_factor) {
-        const auto r = tk::with_codec(
-            name, {}, [&](const auto& codec) { return measure_device(name, bytes, cfg.iters, codec, stream); });
-        if (!r) continue;  // no device path (top-k)
-        fmt::print("  {:>12} {:>12} {:>10.1f} {:>10.1f} {:>8.1f} {:>10.1f} {:>9.2f} {:>9.2f}\n", r->codec, r->bytes,
-                   r->encode_GBps, r->decode_GBps, r->ratio, r->copy_GBps, r->encode_GBps / r->copy_GBps,
-                   r->decode_GBps / r->copy_GBps);
-        std::fflush(stdout);
-        rows.push_back(*r);
-      }
-  }
-#endif
+  if (cfg.on != "gpu") cpu_table(cfg, rows);
+  if (cfg.on != "cpu") gpu_table(cfg, rows);
   if (!cfg.json.empty()) {
     tk::Json json = tk::Json::array();
     for (const Row& r : rows)

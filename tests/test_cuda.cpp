@@ -83,6 +83,26 @@ void check_codec_matches(const C& codec) {
       const auto overwritten = device_out.host();
       for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(overwritten[i], host_out[i]));
     }
+    // Values that do not start on a 16-byte boundary (a gradient inside a flat buffer) take the
+    // kernels' one-value-at-a-time path, with the same bits.
+    if (n > 1) {
+      const std::span<const float> tail = std::span<const float>(in).subspan(1);
+      auto host_state = codec.make_state(n - 1, DType::f32);
+      auto device_state = codec.make_state(n - 1, DType::f32);
+      const std::size_t used = codec.encode(tail, host_state, host_bytes);
+      REQUIRE(cuda::encode(codec, device_state, device_in.data + 1, n - 1, device_bytes.data, stream) == used);
+      stream.synchronize();
+      const auto encoded = device_bytes.host();
+      REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), used) == 0);
+      auto host_out = test::random_values(n, 5);
+      const DeviceVector<float> device_out(host_out);
+      codec.decode(std::span<const std::byte>(host_bytes).first(used), std::span<float>(host_out).subspan(1),
+                   DecodeMode::add);
+      cuda::decode(codec, device_bytes.data, used, device_out.data + 1, n - 1, DecodeMode::add, stream);
+      stream.synchronize();
+      const auto back = device_out.host();
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(back[i], host_out[i]));
+    }
     // A header that does not match the destination is refused before any kernel runs.
     const DeviceVector<float> other(n + 1);
     CHECK_THROWS_AS(cuda::decode(codec, device_bytes.data, codec.max_encoded_bytes(n, DType::f32), other.data, n + 1,
@@ -125,27 +145,34 @@ TEST_SUITE("cuda") {
     else check_codec_matches(C{});
   }
 
-  TEST_CASE("error feedback on the device follows the CPU decorator step for step" * doctest::skip(no_device)) {
-    const compression::TwoBit codec{.threshold = 0.5f};
-    const compression::ErrorFeedback<compression::TwoBit> decorated{codec};
-    constexpr std::size_t n = 4099;
-    auto host_state = decorated.make_state(n, DType::f32);
-    compression::TwoBit::State device_state;
-    DeviceVector<float> residual(std::vector<float>(n, 0.0f));
-    std::vector<std::byte> host_bytes(codec.max_encoded_bytes(n, DType::f32));
-    DeviceVector<std::byte> device_bytes(host_bytes.size());
-    cuda::Stream stream;
-    for (int step = 0; step < 5; ++step) {
-      const auto g = test::random_values(n, 100 + static_cast<std::uint64_t>(step));
-      const DeviceVector<float> device_g(g);
-      const std::size_t used = decorated.encode(std::span<const float>(g), host_state, host_bytes);
-      REQUIRE(cuda::encode_with_feedback(codec, device_state, device_g.data, residual.data, n, device_bytes.data,
-                                         stream) == used);
-      stream.synchronize();
-      const auto encoded = device_bytes.host();
-      REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), used) == 0);
-      const auto r = residual.host();
-      for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(r[i], host_state.residual_f32[i]));
+  // TwoBit and OneBit run fused kernels, the others the generic steps.
+  TEST_CASE_TEMPLATE("error feedback on the device follows the CPU decorator step for step" * doctest::skip(no_device),
+                     C, compression::TwoBit, compression::OneBit, compression::TernGrad<4>, compression::RandomK) {
+    C codec;
+    if constexpr (std::is_same_v<C, compression::TwoBit>) codec.threshold = 0.5f;
+    else if constexpr (std::is_same_v<C, compression::RandomK>) codec = {.keep = {.fraction = 0.05}, .seed = 4};
+    else if constexpr (requires { codec.seed; }) codec.seed = 9;
+    const compression::ErrorFeedback<C> decorated{codec};
+    for (std::size_t n : {1u, 4099u, 300000u}) {  // 300000: the sum tree's second level
+      CAPTURE(n);
+      auto host_state = decorated.make_state(n, DType::f32);
+      auto device_state = codec.make_state(n, DType::f32);
+      DeviceVector<float> residual(std::vector<float>(n, 0.0f));
+      std::vector<std::byte> host_bytes(codec.max_encoded_bytes(n, DType::f32));
+      DeviceVector<std::byte> device_bytes(host_bytes.size());
+      cuda::Stream stream;
+      for (int step = 0; step < 5; ++step) {
+        const auto g = test::random_values(n, 100 + static_cast<std::uint64_t>(step));
+        const DeviceVector<float> device_g(g);
+        const std::size_t used = decorated.encode(std::span<const float>(g), host_state, host_bytes);
+        REQUIRE(cuda::encode_with_feedback(codec, device_state, device_g.data, residual.data, n, device_bytes.data,
+                                           stream) == used);
+        stream.synchronize();
+        const auto encoded = device_bytes.host();
+        REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), used) == 0);
+        const auto r = residual.host();
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(r[i], host_state.residual_f32[i]));
+      }
     }
   }
 }

@@ -133,6 +133,14 @@ std::size_t encode(const compression::TwoBit& codec, compression::TwoBit::State&
         "encode");
   return compression::Packed<2>::bytes(n);
 }
+std::size_t encode_with_feedback(const compression::TwoBit& codec, compression::TwoBit::State&, const float* in,
+                                 float* residual, std::size_t n, std::byte* out, Stream& stream) {
+  use(stream);
+  check(kernels::encode_two_bit_keeping_error(in, residual, n, out, header_word(compression::CodecId::two_bit, n),
+                                              codec.threshold, stream.native()),
+        "encode");
+  return compression::Packed<2>::bytes(n);
+}
 void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
   use(stream);
@@ -147,6 +155,15 @@ std::size_t encode(const compression::OneBit&, compression::OneBit::State&, cons
   stream.reserve(n);
   check(kernels::encode_one_bit(in, n, out, header_word(compression::CodecId::one_bit, n), stream.impl().sums,
                                 stream.impl().parameter, stream.native()),
+        "encode");
+  return compression::Packed<1>::bytes(n);
+}
+std::size_t encode_with_feedback(const compression::OneBit&, compression::OneBit::State&, const float* in,
+                                 float* residual, std::size_t n, std::byte* out, Stream& stream) {
+  use(stream);
+  stream.reserve(n);
+  check(kernels::encode_one_bit_keeping_error(in, residual, n, out, header_word(compression::CodecId::one_bit, n),
+                                              stream.impl().sums, stream.impl().parameter, stream.native()),
         "encode");
   return compression::Packed<1>::bytes(n);
 }
@@ -196,6 +213,16 @@ std::size_t encode(const compression::RandomK& codec, compression::RandomK::Stat
   const std::size_t k = codec.keep.of(n);
   const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
   check(kernels::encode_random_k(in, n, k, key, out, header_word(compression::CodecId::random_k, n), stream.native()),
+        "encode");
+  return codec.max_encoded_bytes(n, DType::f32);
+}
+std::size_t encode_with_feedback(const compression::RandomK& codec, compression::RandomK::State& state,
+                                 const float* in, float* residual, std::size_t n, std::byte* out, Stream& stream) {
+  use(stream);
+  const std::size_t k = codec.keep.of(n);
+  const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
+  check(kernels::encode_random_k_keeping_error(in, residual, n, k, key, out,
+                                               header_word(compression::CodecId::random_k, n), stream.native()),
         "encode");
   return codec.max_encoded_bytes(n, DType::f32);
 }

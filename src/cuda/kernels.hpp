@@ -22,12 +22,21 @@ int encode_one_bit(const float* in, std::size_t n, std::byte* out, std::uint64_t
 // `scale` one float of scratch, zeroed by the launcher.
 int encode_terngrad(unsigned bits, const float* in, std::size_t n, std::byte* out, std::uint64_t header,
                     std::uint64_t key, float* scale, void* stream);
+// Error feedback fused in (Packed::encode_keeping_error's steps): codes p = residual + in and
+// leaves what the code cut off in residual; one-bit's scale is over every p, so it adds first.
+int encode_two_bit_keeping_error(const float* in, float* residual, std::size_t n, std::byte* out, std::uint64_t header,
+                                 float threshold, void* stream);
+int encode_one_bit_keeping_error(const float* in, float* residual, std::size_t n, std::byte* out, std::uint64_t header,
+                                 double* sums, float* scale, void* stream);
 int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, void* stream);
 int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, void* stream);
 int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, void* stream);
 
 int encode_random_k(const float* in, std::size_t n, std::size_t k, std::uint64_t key, std::byte* out,
                     std::uint64_t header, void* stream);
+// Error feedback: residual += in, then the kept values sent and zeroed in residual.
+int encode_random_k_keeping_error(const float* in, float* residual, std::size_t n, std::size_t k, std::uint64_t key,
+                                  std::byte* out, std::uint64_t header, void* stream);
 int decode_random_k(const std::byte* in, std::size_t n, std::size_t k, float* out, bool add, void* stream);
 
 int accumulate(float* residual, const float* in, std::size_t n, void* stream);

@@ -35,7 +35,7 @@ struct PackedCodes {
   GRADSYNC_HD static std::size_t words(std::size_t n) { return (n + per_word - 1) / per_word; }
 
   // The word holding values [w * per_word, ...) of n; code(value, index) gives a value's code.
-  // The CPU loop and the CUDA kernels (one word a thread) both build words with it.
+  // The CPU codecs build their words with it (the CUDA kernels set the same bits a value a thread).
   template <class T, class Code>
   GRADSYNC_HD static std::uint32_t pack_word(const T* values, std::size_t n, std::size_t w, Code code) {
     const std::size_t first = w * per_word;

@@ -90,9 +90,18 @@ void accumulate(float* residual, const float* in, std::size_t n, Stream&);
 // values[i] = -values[i], on the stream.
 void negate(float* values, std::size_t n, Stream&);
 
-// ErrorFeedback on the device, the CPU decorator's generic steps (which its codecs' one-pass
-// encode_keeping_error matches bit for bit): residual += in; encode the residual;
-// residual -= decode(encoding), as -(-residual + decode) so the rounding matches.
+// ErrorFeedback on the device: encodes in + residual into `out` and leaves in residual what the
+// encoding cut off, bit for bit as ErrorFeedback<C> on the CPU. TwoBit, OneBit and RandomK in
+// fused kernels, as their CPU encode_keeping_error (non-templates: chosen over the generic steps).
+std::size_t encode_with_feedback(const compression::TwoBit&, compression::TwoBit::State&, const float* in,
+                                 float* residual, std::size_t n, std::byte* out, Stream&);
+std::size_t encode_with_feedback(const compression::OneBit&, compression::OneBit::State&, const float* in,
+                                 float* residual, std::size_t n, std::byte* out, Stream&);
+std::size_t encode_with_feedback(const compression::RandomK&, compression::RandomK::State&, const float* in,
+                                 float* residual, std::size_t n, std::byte* out, Stream&);
+
+// The other codecs (TernGrad): the CPU decorator's generic steps: residual += in; encode the
+// residual; residual -= decode(encoding), as -(-residual + decode) so the rounding matches.
 template <class C>
 std::size_t encode_with_feedback(const C& codec, typename C::State& state, const float* in, float* residual,
                                  std::size_t n, std::byte* out, Stream& stream) {
