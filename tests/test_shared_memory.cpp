@@ -1,16 +1,21 @@
 // transport::SharedMemory between real processes on this machine, and transport::Routed over it
 // and TCP: allreduce bit-identical on every rank for every topology and codec, a killed rank
-// named by the others, segments that leave nothing behind and stale ones never joined.
+// named by the others, segments that leave nothing behind and stale ones never joined; and the
+// segment's locks (private to the library) when a process dies holding or waiting on one.
 
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <thread>
 
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/routed.hpp"
@@ -18,6 +23,7 @@
 #include "gradsync/transport/tcp.hpp"
 #include "processes.hpp"
 #include "support.hpp"
+#include "transport/shm/sync.hpp"  // private to the library: src/
 
 using namespace gradsync;
 using namespace std::chrono_literals;
@@ -239,6 +245,59 @@ TEST_SUITE("shared_memory") {
                                    topology::Hierarchical{.chunk_elements = 4096}, -1);
     allreduce_everywhere_identical("ef-two-bit, one bucket in the arena", compression::ErrorFeedback<compression::TwoBit>{},
                                    topology::Hierarchical{.chunk_elements = 4096}, -1, one_bucket);
+  }
+
+  TEST_CASE("the segment's lock and condition outlive a process killed holding or waiting on them") {
+    struct Shared {
+      transport::shm::RobustMutex mutex;
+      transport::shm::SharedCondition condition;
+      int value = 0;
+    };
+    void* memory = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(memory != MAP_FAILED);
+    auto* shared = new (memory) Shared();
+    const auto killed_child = [](auto body) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        body();
+        ::raise(SIGKILL);
+      }
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      return WIFSIGNALED(status);
+    };
+
+    // Killed holding the lock: the next locker gets it, told that its holder died.
+    CHECK(killed_child([&] { shared->mutex.lock(); }));
+    CHECK_FALSE(shared->mutex.holder_died());
+    {
+      std::unique_lock lock(shared->mutex, std::defer_lock);
+      REQUIRE(lock.try_lock_until(std::chrono::steady_clock::now() + 60s));  // a dead holder does not make it wait
+      CHECK(shared->mutex.holder_died());
+    }
+    // Killed asleep on the condition (or before it got there): later waits and notifications
+    // work as before.
+    CHECK(killed_child([&] {
+      std::thread([&] {
+        std::unique_lock lock(shared->mutex);
+        shared->condition.wait_until(lock, std::chrono::steady_clock::now() + 60s, [] { return false; });
+      }).detach();
+      std::this_thread::sleep_for(100ms);
+    }));
+    bool woken = false;
+    std::thread waiter([&] {
+      std::unique_lock lock(shared->mutex);
+      woken = shared->condition.wait_until(lock, std::chrono::steady_clock::now() + 60s,
+                                           [&] { return shared->value == 1; });
+    });
+    {
+      std::unique_lock lock(shared->mutex);
+      shared->value = 1;
+    }
+    shared->condition.notify_all();
+    waiter.join();
+    CHECK(woken);
+    ::munmap(memory, sizeof(Shared));
   }
 
   TEST_CASE("a killed local rank makes the others fail fast, naming it; the segment is gone") {

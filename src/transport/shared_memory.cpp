@@ -2,11 +2,18 @@
 // cross-memory copy per message by whichever side posts second, completions reported by each
 // rank's own completion thread.
 //
-// Locks: a rank's mailbox mutex guards the queues of messages addressed to it and every copy into
-// it, so a request found queued there under that lock has not been copied yet and can be taken
-// back safely; a rank's done mutex guards its completion list and is only ever taken after a
-// mailbox mutex, never before.
-// Within this process, pool_mutex_ guards the record pool.
+// Locks: a rank's mailbox mutex guards the queues of messages addressed to it, so a request found
+// queued there under that lock has not been matched yet and can be taken back safely; a rank's
+// done mutex guards its completion list and is only ever taken after a mailbox mutex, never
+// before. Both are robust (shm/sync.hpp): a rank killed holding one does not hang the others. A
+// mailbox whose holder died may be half updated, so nobody searches it again: operations that
+// need it fail. A completion list is walked defensively instead, and a completion its dying
+// copier may have lost is recovered by failing the request (died_copying()).
+// Within this process, pool_mutex_ guards the record pool, and settle_mutex_ is held by whoever
+// settles a pending request (completes it, fails it or takes it back), so that the completion
+// thread, failing orphans from a list it took earlier, can check that a request is still pending
+// (and so still alive) and settle it before anyone else does. Order: settle_mutex_, then a
+// mailbox mutex, then pool_mutex_.
 
 #include "gradsync/transport/shared_memory.hpp"
 
@@ -14,6 +21,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <condition_variable>
@@ -45,8 +53,8 @@ using shm::Record;
 using Clock = std::chrono::steady_clock;
 using Request = SharedMemory::Request;
 
-// How long a rank waits for another's lock: long enough for any copy, short enough that a rank
-// that died holding one (killed mid-copy) turns into an Error rather than a hang.
+// How long a rank waits for another's lock (a dead holder hands it over at once; only queue
+// operations hold one), or for a copy a peer has started to finish.
 constexpr auto lock_patience = std::chrono::seconds(10);
 // How often an idle completion thread looks whether its peers are still running.
 constexpr auto liveness_period = std::chrono::milliseconds(50);
@@ -186,6 +194,7 @@ class SharedMemoryEngine {
       // queued; one that runs after finds this flag set.
       if (auto failure = failure_for(peer, operation)) {
         lock.unlock();
+        std::lock_guard settling(settle_mutex_);
         give_back(index);
         r.state_.store(Request::State::idle, std::memory_order_relaxed);
         throw *failure;
@@ -227,11 +236,15 @@ class SharedMemoryEngine {
     if (r.state_.load(std::memory_order_acquire) == Request::State::idle)
       throw Error(ErrorKind::invalid_argument, context(-1, "wait"), "request was never posted");
     const bool in_time = settled() || serve_until(deadline, settled);
-    if (!in_time && withdraw(r)) {
-      r.state_.store(Request::State::idle, std::memory_order_relaxed);
-      throw Error(ErrorKind::timeout, context(r.peer_, r.is_send_ ? "send" : "recv"),
-                  fmt::format("rank {} posted no matching {} (tag {:#x}) before the deadline", launch_rank(r.peer_),
-                              r.is_send_ ? "receive" : "send", r.tag_));
+    if (!in_time) {
+      std::unique_lock settling(settle_mutex_);
+      // Failed meanwhile (its record given back, perhaps to another request): nothing to take back.
+      if (!settled() && withdraw(r)) {
+        r.state_.store(Request::State::idle, std::memory_order_relaxed);
+        throw Error(ErrorKind::timeout, context(r.peer_, r.is_send_ ? "send" : "recv"),
+                    fmt::format("rank {} posted no matching {} (tag {:#x}) before the deadline", launch_rank(r.peer_),
+                                r.is_send_ ? "receive" : "send", r.tag_));
+      }
     }
     // Matched while we gave up: its completion is on its way.
     if (!in_time && !serve_until(Clock::now() + lock_patience, settled))
@@ -276,6 +289,11 @@ class SharedMemoryEngine {
       h.failure_written.store(1, std::memory_order_release);
     }
     wake_everyone();
+    // Like Tcp, settle this rank's own operations before returning, since the caller may free
+    // their buffers next: queued ones fail now; one a peer is copying completes when the copy is
+    // done, or fails once that peer is seen gone (the completion thread's next look around).
+    fail_orphans();
+    serve_until(Clock::now() + lock_patience, [&] { return !any_pending(); });
   }
 
  private:
@@ -306,6 +324,17 @@ class SharedMemoryEngine {
     free_.push_back(index);
   }
 
+  // Out of the pool for good (see withdraw()).
+  void retire(std::uint32_t index) {
+    std::lock_guard lock(pool_mutex_);
+    owners_[index] = nullptr;
+  }
+
+  bool any_pending() {
+    std::lock_guard lock(pool_mutex_);
+    return std::any_of(owners_.begin(), owners_.end(), [](const Request* r) { return r != nullptr; });
+  }
+
   // ---- queues in the segment (callers hold the queue's lock) ----
 
   // Appends `handle` to `q`, linked through `link` (a mailbox's `next` or a completion list's `done_next`).
@@ -331,12 +360,24 @@ class SharedMemoryEngine {
     return std::nullopt;
   }
 
-  ipc::scoped_lock<ipc::interprocess_mutex> lock_mailbox(int box_rank, int peer, const char* operation) {
-    ipc::scoped_lock lock(segment_.rank(box_rank).mailbox_mutex, ipc::defer_lock);
-    if (!lock.timed_lock(shm::utc_deadline(lock_patience)))
+  using Lock = std::unique_lock<shm::RobustMutex>;
+
+  Lock lock_mailbox(int box_rank, int peer, const char* operation) {
+    Lock lock = try_lock_mailbox(box_rank);
+    if (!lock.owns_lock())
       throw Error(ErrorKind::peer_failed, context(peer, operation),
-                  fmt::format("local rank {}'s mailbox stayed locked for {} s: a rank died holding it", box_rank,
-                              lock_patience.count()));
+                  fmt::format("local rank {}'s mailbox is unusable: a rank died holding its lock, or it stayed "
+                              "locked for {} s", box_rank, lock_patience.count()));
+    return lock;
+  }
+
+  // Locks a rank's mailbox, or returns it unlocked if a rank died holding it (its queues may be
+  // half updated) or it stayed locked for the whole lock patience.
+  Lock try_lock_mailbox(int box_rank) {
+    shm::RobustMutex& mutex = segment_.rank(box_rank).mailbox_mutex;
+    Lock lock(mutex, std::defer_lock);
+    if (mutex.holder_died() || !lock.try_lock_until(Clock::now() + lock_patience)) return lock;
+    if (mutex.holder_died()) lock.unlock();
     return lock;
   }
 
@@ -405,8 +446,8 @@ class SharedMemoryEngine {
 
   void post_done(int owner, std::uint32_t handle) {
     shm::RankArea& area = segment_.rank(owner);
-    ipc::scoped_lock lock(area.done_mutex, ipc::defer_lock);
-    if (!lock.timed_lock(shm::utc_deadline(lock_patience))) return;  // its owner died holding it
+    Lock lock(area.done_mutex, std::defer_lock);
+    if (!lock.try_lock_until(Clock::now() + lock_patience)) return;
     append(area.done, handle, &Record::done_next);
     // A completion nobody waits for and no sink wants yet stays on the list until its owner's
     // next test() or wait(): waking the completion thread for it would cost a switch between
@@ -419,8 +460,8 @@ class SharedMemoryEngine {
 
   void wake(int local) {
     shm::RankArea& area = segment_.rank(local);
-    ipc::scoped_lock lock(area.done_mutex, ipc::defer_lock);
-    if (!lock.timed_lock(shm::utc_deadline(std::chrono::milliseconds(100)))) return;
+    Lock lock(area.done_mutex, std::defer_lock);
+    if (!lock.try_lock_until(Clock::now() + std::chrono::milliseconds(100))) return;
     area.wake = 1;
     area.done_changed.notify_one();
   }
@@ -434,13 +475,18 @@ class SharedMemoryEngine {
     const std::uint32_t handle = segment_.handle(rank_, r.record_);
     const int box_rank = r.is_send_ ? r.peer_ : rank_;
     shm::RankArea& box = segment_.rank(box_rank);
-    ipc::scoped_lock lock(box.mailbox_mutex, ipc::defer_lock);
-    // A mailbox whose owner died holding its lock cannot be searched; nobody can copy into or out
-    // of the request any more either, so it is ours again.
-    const bool locked = lock.timed_lock(shm::utc_deadline(lock_patience));
-    if (locked && !take_if(r.is_send_ ? box.sends : box.receives, [&](const Record& o) { return &o == &segment_.record(handle); }))
+    auto lock = try_lock_mailbox(box_rank);
+    if (!lock.owns_lock()) {
+      // A mailbox a rank died holding is never searched again. Matched before that, the request
+      // completes as any other; if not, nobody can match it any more, and it is ours again. Its
+      // record may still be linked in the mailbox's queue, so it is retired rather than reused.
+      if (segment_.record(handle).copier != -1) return false;
+      retire(r.record_);
+      return true;
+    }
+    if (!take_if(r.is_send_ ? box.sends : box.receives, [&](const Record& o) { return &o == &segment_.record(handle); }))
       return false;
-    if (locked) lock.unlock();
+    lock.unlock();
     give_back(r.record_);
     return true;
   }
@@ -493,11 +539,32 @@ class SharedMemoryEngine {
   }
 
   // A matched request whose copy was left to a peer that is gone: it will never complete. (A gone
-  // peer writes nothing more, so its record's outcome can be read without the lists' locks; one it
-  // finished is on our completion list, and completes from there.)
+  // peer writes nothing more, so its record's outcome can be read without the lists' locks.) One
+  // it finished is on our completion list and completes from there, unless it died holding the
+  // list's lock, perhaps before linking it in.
   bool died_copying(const Request& r) {
-    const Record& record = segment_.record(segment_.handle(rank_, r.record_));
-    return record.copier == r.peer_ && peer_gone(r.peer_) && record.outcome == Record::Outcome::pending;
+    const std::uint32_t handle = segment_.handle(rank_, r.record_);
+    const Record& record = segment_.record(handle);
+    if (record.copier != r.peer_ || !peer_gone(r.peer_)) return false;
+    if (record.outcome == Record::Outcome::pending) return true;
+    shm::RankArea& area = segment_.rank(rank_);
+    if (!area.done_mutex.holder_died()) return false;
+    Lock lock(area.done_mutex);
+    bool listed = false;
+    walk_done_list(area.done.head, [&](std::uint32_t h) { listed = listed || h == handle; });
+    return !listed;
+  }
+
+  // Calls f(handle) along a completion list of ours. Bounded and range-checked: a rank that died
+  // holding the list's lock may have left a link half made.
+  template <class F>
+  void walk_done_list(std::uint32_t head, F f) {
+    const std::uint32_t first = segment_.handle(rank_, 0), end = first + segment_.capacity();
+    for (std::uint32_t h = head, steps = 0; h >= first && h < end && steps < segment_.capacity(); ++steps) {
+      const std::uint32_t next = segment_.record(h).done_next;  // read first: completing frees the record
+      f(h);
+      h = next;
+    }
   }
 
   // Fails every pending request that the job's failure or a departed peer leaves unanswerable.
@@ -509,13 +576,18 @@ class SharedMemoryEngine {
         if (owners_[i]) pending.emplace_back(i, owners_[i]);
     }
     for (auto [index, r] : pending) {
+      std::lock_guard settling(settle_mutex_);
+      {
+        std::lock_guard lock(pool_mutex_);
+        if (owners_[index] != r) continue;  // settled since the list was taken, and perhaps destroyed
+      }
+      if (r->state_.load(std::memory_order_acquire) != Request::State::pending) continue;  // still being posted
       auto failure = failure_for(r->peer_, r->is_send_ ? "send" : "recv");
-      if (!failure || r->record_ != index || r->state_.load(std::memory_order_acquire) != Request::State::pending)
-        continue;
+      if (!failure) continue;
       // Matched: its completion is on its way, unless the departed peer was copying it and died.
       if (!withdraw(*r)) {
         if (!died_copying(*r)) continue;
-        give_back(index);
+        retire(index);  // it may yet turn up on our completion list
       }
       r->error_ = std::move(*failure);
       finish(*r, Request::State::failed);
@@ -533,11 +605,13 @@ class SharedMemoryEngine {
 
   void complete(std::uint32_t handle) {
     const std::uint32_t index = handle - segment_.handle(rank_, 0);
+    std::lock_guard settling(settle_mutex_);
     Request* r;
     {
       std::lock_guard lock(pool_mutex_);
       r = owners_[index];
     }
+    if (!r) return;  // failed already, its copier gone (died_copying())
     const Record& rec = segment_.record(handle);
     r->transferred_ = rec.transferred;
     const char* operation = rec.is_send ? "send" : "recv";
@@ -571,17 +645,13 @@ class SharedMemoryEngine {
 
   // Completes every record in this rank's completion list, releasing `lock` (on the list) while
   // it does; false if the list was empty.
-  bool drain(ipc::scoped_lock<ipc::interprocess_mutex>& lock) {
+  bool drain(Lock& lock) {
     shm::RankArea& area = segment_.rank(rank_);
     std::uint32_t head = std::exchange(area.done.head, no_record);
     area.done.tail = no_record;
     if (head == no_record) return false;
     lock.unlock();
-    while (head != no_record) {
-      const std::uint32_t next = segment_.record(head).done_next;
-      complete(head);
-      head = next;
-    }
+    walk_done_list(head, [&](std::uint32_t h) { complete(h); });
     lock.lock();
     return true;
   }
@@ -589,7 +659,7 @@ class SharedMemoryEngine {
   // test()'s part: completes what has arrived, unless another thread is at the list already.
   void complete_arrived() {
     shm::RankArea& area = segment_.rank(rank_);
-    ipc::scoped_lock lock(area.done_mutex, ipc::try_to_lock);
+    Lock lock(area.done_mutex, std::try_to_lock);
     if (lock && drain(lock) && area.serving != 0) area.served_changed.notify_all();
   }
 
@@ -598,7 +668,7 @@ class SharedMemoryEngine {
   template <class Settled>
   bool serve_until(Clock::time_point deadline, Settled settled) {
     shm::RankArea& area = segment_.rank(rank_);
-    ipc::scoped_lock lock(area.done_mutex);
+    Lock lock(area.done_mutex);
     ++area.serving;
     bool done = false;
     for (;;) {
@@ -609,7 +679,7 @@ class SharedMemoryEngine {
       }
       const auto now = Clock::now();
       if (now >= deadline) break;
-      area.served_changed.timed_wait(lock, shm::utc_deadline(std::min<Clock::duration>(deadline - now, liveness_period)),
+      area.served_changed.wait_until(lock, std::min<Clock::time_point>(deadline, now + liveness_period),
                                      [&] { return area.done.head != no_record || settled(); });
     }
     // What arrives from now on is the completion thread's again, and whatever a sink is waiting for
@@ -630,8 +700,8 @@ class SharedMemoryEngine {
     for (;;) {
       bool look_around = false;
       {
-        ipc::scoped_lock lock(area.done_mutex);
-        area.done_changed.timed_wait(lock, shm::utc_deadline(liveness_period), [&] {
+        Lock lock(area.done_mutex);
+        area.done_changed.wait_until(lock, Clock::now() + liveness_period, [&] {
           return (area.done.head != no_record && area.serving == 0) || area.wake != 0;
         });
         const bool completed = drain(lock);
@@ -648,7 +718,7 @@ class SharedMemoryEngine {
         const bool departed = notice_departures();
         if (departed || segment_.header().failed_rank.load(std::memory_order_acquire) >= 0) {
           fail_orphans();
-          ipc::scoped_lock lock(area.done_mutex);
+          Lock lock(area.done_mutex);
           if (area.serving != 0) area.served_changed.notify_all();
         }
       }
@@ -687,6 +757,7 @@ class SharedMemoryEngine {
   const int rank_;
   const int size_;
 
+  std::mutex settle_mutex_;
   std::mutex pool_mutex_;
   std::vector<std::uint32_t> free_;
   std::vector<Request*> owners_;  // by record index: the request a pending record belongs to

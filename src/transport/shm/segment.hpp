@@ -23,13 +23,14 @@
 
 #include "detail/hmac.hpp"
 #include "gradsync/transport/shared_memory.hpp"
+#include "transport/shm/sync.hpp"
 
 namespace gradsync::transport::shm {
 
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 6;
+inline constexpr std::uint32_t segment_version = 7;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
 inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
 inline constexpr std::size_t page_bytes = 4096;
@@ -83,17 +84,17 @@ struct RankArea {
   ProcessIdentity process;
   std::uint64_t mapped_at = 0;            // where this rank mapped the segment, for the setup's cross-memory check
   std::atomic<std::uint32_t> closed{0};  // the rank destroyed its transport
-  ipc::interprocess_mutex mailbox_mutex;  // guards sends/receives addressed to this rank (not the copies)
+  RobustMutex mailbox_mutex;              // guards sends/receives addressed to this rank (not the copies)
   FifoQueue sends;                        // others' sends to this rank, unmatched
   FifoQueue receives;                     // this rank's receives, unmatched
-  ipc::interprocess_mutex done_mutex;     // guards `done`; taken after mailbox_mutex, never before
-  ipc::interprocess_condition done_changed;
+  RobustMutex done_mutex;                 // guards `done`; taken after mailbox_mutex, never before
+  SharedCondition done_changed;
   FifoQueue done;                         // this rank's matched records, for its completion thread
   std::uint32_t wake = 0;                 // a failure or a close asks the thread to look around
   // Threads of this rank blocked in wait(), which complete `done` themselves meanwhile: a copier
   // wakes them (served_changed) rather than the completion thread, one hand-off fewer.
   std::uint32_t serving = 0;
-  ipc::interprocess_condition served_changed;
+  SharedCondition served_changed;
 };
 
 struct Header {
