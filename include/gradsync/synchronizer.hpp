@@ -36,6 +36,7 @@
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/detail/convert.hpp"
+#include "gradsync/detail/device_gradients.hpp"
 #include "gradsync/engine/control.hpp"
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
@@ -121,15 +122,13 @@ class Synchronizer {
   }
 
   // Registers a gradient; ids are given out in order from 0. Every rank must register the same
-  // gradients (name, size, dtype) in the same order, before its first ready() or wait().
+  // gradients (name, size, dtype) in the same order, before its first ready() or wait(). A
+  // gradient in CUDA device memory (Device::cuda) is staged through host memory, with blocking
+  // copies (detail/device_gradients.hpp): it must be complete when ready() is called for it.
   GradId add(std::string name, TensorView gradient) {
     if (frozen_.load())
       throw Error(ErrorKind::invalid_argument, here("add"),
                   fmt::format("add({:?}) after the first ready() or wait(): register every gradient first", name));
-    if (gradient.device != Device::cpu())
-      throw Error(ErrorKind::unsupported, here("add"),
-                  fmt::format("gradient {:?} is on {}; this build synchronizes CPU memory only", name,
-                              to_string(gradient.device)));
     if (gradient.data == nullptr && gradient.count != 0)
       throw Error(ErrorKind::invalid_argument, here("add"), fmt::format("gradient {:?} has no memory", name));
     if (accumulation_dtype(gradient.dtype) == DType::f64 && !CodecFor<C, double>)
@@ -137,8 +136,13 @@ class Synchronizer {
                   fmt::format("gradient {:?} is f64, but codec {} encodes f32 values only (it has no f64 encode "
                               "and decode); convert the gradient to f32 or choose a codec with an f64 path",
                               name, codec_.describe()));
+    const bool on_device = gradient.device != Device::cpu();
+    if (on_device) detail::check_device_gradient(name, gradient, here("add"));
     layout_.push_back({std::move(name), gradient.count, gradient.dtype, gradient.device});
     views_.push_back(gradient);
+    staging_.push_back(on_device && gradient.dtype != accumulation_dtype(gradient.dtype)
+                           ? detail::HostStaging(gradient.bytes())
+                           : detail::HostStaging());
     return static_cast<GradId>(layout_.size() - 1);
   }
 
@@ -214,10 +218,11 @@ class Synchronizer {
   struct Bucket {
     DType dtype = DType::f32;  // accumulation dtype
     std::size_t elements = 0;
-    // A bucket of one gradient already in its accumulation dtype is reduced where it lies,
+    // A bucket of one host gradient already in its accumulation dtype is reduced where it lies,
     // saving a copy in and a copy out; otherwise gradients are packed into `storage`.
     bool in_place = false;
     detail::TransportBuffer<X> storage;  // from the transport when it hands out memory
+    detail::PinnedRange pinned;          // `storage`, while it holds device gradients
     // Where the bucket is reduced, typed by its dtype: the one place the dtype becomes a type.
     engine::BucketValues values;
     engine::BucketExchange<C, X> exchange;
@@ -283,9 +288,13 @@ class Synchronizer {
         slots[id] = {static_cast<std::uint32_t>(b), bucket.elements};
         bucket.elements += layout_[id].count;
       }
-      bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype;
-      if (!bucket.in_place)
+      bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype &&
+                        views_[ids.front()].device == Device::cpu();
+      if (!bucket.in_place) {
         bucket.storage = detail::TransportBuffer<X>(&transport_, bucket.elements * size_of(bucket.dtype));
+        if (std::any_of(ids.begin(), ids.end(), [&](GradId id) { return views_[id].device != Device::cpu(); }))
+          bucket.pinned = detail::PinnedRange(bucket.storage.data(), bucket.elements * size_of(bucket.dtype));
+      }
       void* data = bucket.in_place ? views_[ids.front()].data : bucket.storage.data();
       if (bucket.dtype == DType::f64)
         bucket.values = std::span<double>(static_cast<double*>(data), bucket.elements);
@@ -419,7 +428,8 @@ class Synchronizer {
     Bucket& bucket = buckets_[b];
     if (!bucket.in_place) {
       const auto started = std::chrono::steady_clock::now();
-      for (GradId id : plan_.buckets[b]) detail::load<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count));
+      for (GradId id : plan_.buckets[b])
+        detail::load_gradient<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count), staging_[id]);
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
     if (engine_) return engine_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
@@ -437,7 +447,8 @@ class Synchronizer {
         [&](auto values) {
           using V = typename decltype(values)::value_type;
           for (GradId id : plan_.buckets[b])
-            detail::store<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)), views_[id]);
+            detail::store_gradient<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)),
+                                      views_[id], staging_[id]);
         },
         buckets_[b].values);
   }
@@ -545,6 +556,7 @@ class Synchronizer {
 
   Layout layout_;
   std::vector<TensorView> views_;
+  std::vector<detail::HostStaging> staging_;  // by gradient id: for 16-bit device gradients
 
   std::once_flag freeze_once_;
   std::atomic<bool> frozen_{false};

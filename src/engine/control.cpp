@@ -30,7 +30,9 @@ std::string describe_layout(const Layout& layout, std::string_view policies) {
   std::string text = fmt::format("{}\n{}\n", header, policies);
   for (std::size_t id = 0; id < layout.size(); ++id) {
     const GradientInfo& g = layout[id];
-    text += fmt::format("{:?} {}[{}] {}\n", g.name, to_string(g.dtype), g.count, to_string(g.device));
+    // Where a gradient lives is compared by kind only: local ranks use GPUs of their own.
+    text += fmt::format("{:?} {}[{}] {}\n", g.name, to_string(g.dtype), g.count,
+                        g.device.kind == Device::Kind::cpu ? "cpu" : "cuda");
   }
   return text;
 }

@@ -1,0 +1,23 @@
+#pragma once
+// Copies between host and device memory for the Synchronizer's device gradients, which it stages
+// through host memory (library gradsync_cuda, src/cuda/memory.cpp; declared wherever gradsync was
+// built with CUDA, GRADSYNC_HAS_CUDA). Errors are gradsync::Error naming the operation.
+
+#include <cstddef>
+
+namespace gradsync::cuda {
+
+// Blocking copies on the device's legacy default stream, so they also wait for work the caller
+// queued there (a backward pass on the default stream) and are complete when they return.
+void copy_to_host(void* host, const void* device, std::size_t bytes, int device_index);
+void copy_to_device(void* device, const void* host, std::size_t bytes, int device_index);
+
+// True if `p` is memory of CUDA device `device_index` (cudaMalloc'd or managed).
+bool on_device(const void* p, int device_index);
+
+// Page-locks host memory that copies use often (faster, and no staging inside the driver); false
+// if the system refuses, which leaves the memory usable, only slower to copy.
+bool pin(void* host, std::size_t bytes);
+void unpin(void* host);
+
+}  // namespace gradsync::cuda

@@ -1,0 +1,54 @@
+// The host side of include/gradsync/cuda/memory.hpp.
+
+#include "gradsync/cuda/memory.hpp"
+
+#include <cuda_runtime.h>
+
+#include <fmt/format.h>
+
+#include "gradsync/error.hpp"
+
+namespace gradsync::cuda {
+
+namespace {
+void check(cudaError_t status, const char* operation, std::size_t bytes, int device) {
+  if (status != cudaSuccess)
+    throw Error(ErrorKind::internal, {.operation = operation},
+                fmt::format("CUDA device {}, {} bytes: {}", device, bytes, cudaGetErrorString(status)));
+}
+}  // namespace
+
+void copy_to_host(void* host, const void* device, std::size_t bytes, int device_index) {
+  if (bytes == 0) return;
+  check(cudaSetDevice(device_index), "copy to host", bytes, device_index);
+  check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host", bytes, device_index);
+}
+
+void copy_to_device(void* device, const void* host, std::size_t bytes, int device_index) {
+  if (bytes == 0) return;
+  check(cudaSetDevice(device_index), "copy to device", bytes, device_index);
+  check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device", bytes, device_index);
+}
+
+bool on_device(const void* p, int device_index) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return false;
+  }
+  return (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged) &&
+         attributes.device == device_index;
+}
+
+bool pin(void* host, std::size_t bytes) {
+  if (bytes == 0) return false;
+  if (cudaHostRegister(host, bytes, cudaHostRegisterDefault) == cudaSuccess) return true;
+  cudaGetLastError();
+  return false;
+}
+
+void unpin(void* host) {
+  if (cudaHostUnregister(host) != cudaSuccess) cudaGetLastError();
+}
+
+}  // namespace gradsync::cuda

@@ -1,0 +1,202 @@
+// The Synchronizer on gradients in CUDA device memory: several processes sharing one GPU, over
+// Tcp (loopback) and SharedMemory, end every iteration with the bits the same gradients in host
+// memory give, for f32, f64, f16 and bf16 gradients, several codecs and every topology, and the
+// same bits on every rank. Skipped, with the reason printed, where no CUDA device is present.
+//
+// The test process itself never touches CUDA, since a forked child cannot use a context its
+// parent made: children probe for the device and do all the CUDA work.
+
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+#include "gradsync/cuda/codecs.hpp"
+#include "gradsync/gradsync.hpp"
+#include "gradsync/transport/shared_memory.hpp"
+#include "gradsync/transport/tcp.hpp"
+#include "processes.hpp"
+
+using namespace gradsync;
+using namespace std::chrono_literals;
+
+namespace {
+
+const bool no_device = [] {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(cuda::device_count() > 0 ? 0 : 1);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return false;
+  std::puts("no CUDA device: the device Synchronizer tests are skipped (they run on GPU machines)");
+  return true;
+}();
+
+constexpr const char* token = "cuda-sync-test-token";
+
+struct Gradient {
+  std::size_t count;
+  DType dtype;
+};
+
+// The gradients every case registers: packed into buckets of several (FixedSize, small caps),
+// of every dtype the codec takes, at sizes that are not multiples of anything.
+std::vector<Gradient> gradients(bool with_f64) {
+  std::vector<Gradient> g{{1000, DType::f32}, {301, DType::f16}, {257, DType::bf16}, {4099, DType::f32},
+                          {17, DType::f16}};
+  if (with_f64) g.push_back({515, DType::f64});
+  return g;
+}
+
+// Rank r's value e of gradient g in iteration i, as bytes of its dtype: gradient-like, different
+// on every rank and iteration.
+std::vector<std::byte> input(const Gradient& g, int rank, int iteration, std::size_t which) {
+  std::mt19937_64 random(static_cast<std::uint64_t>(rank) * 1000003u + static_cast<std::uint64_t>(iteration) * 7919u + which);
+  std::normal_distribution<double> normal(0.0, 0.05);
+  std::vector<std::byte> bytes(g.count * size_of(g.dtype));
+  for (std::size_t e = 0; e < g.count; ++e) {
+    const double v = normal(random);
+    switch (g.dtype) {
+      case DType::f32: {
+        const float f = static_cast<float>(v);
+        std::memcpy(&bytes[e * 4], &f, 4);
+        break;
+      }
+      case DType::f64: std::memcpy(&bytes[e * 8], &v, 8); break;
+      case DType::f16: {
+        const std::uint16_t h = numeric::f16_bits(static_cast<float>(v));
+        std::memcpy(&bytes[e * 2], &h, 2);
+        break;
+      }
+      case DType::bf16: {
+        const std::uint16_t h = numeric::bf16_bits(static_cast<float>(v));
+        std::memcpy(&bytes[e * 2], &h, 2);
+        break;
+      }
+    }
+  }
+  return bytes;
+}
+
+// Runs three iterations with the gradients in host memory (on_device false) or in device memory,
+// and returns every iteration's averages, as bytes.
+template <class C, class T, class X>
+std::vector<std::byte> run(X transport, int rank, bool on_device, const C& codec, const T& topology) {
+  const auto layout = gradients(CodecFor<C, double>);
+  Synchronizer<bucketing::FixedSize, C, T, X> sync(std::move(transport), {.timeout = 30s},
+                                                   {.cap_bytes = 8192, .first_cap_bytes = 2048}, codec, topology);
+  std::vector<std::vector<std::byte>> host(layout.size());
+  std::vector<void*> device(layout.size(), nullptr);
+  for (std::size_t g = 0; g < layout.size(); ++g) {
+    host[g].resize(layout[g].count * size_of(layout[g].dtype));
+    if (on_device && cudaMalloc(&device[g], host[g].size()) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+    sync.add("g" + std::to_string(g), {on_device ? device[g] : host[g].data(), layout[g].count, layout[g].dtype,
+                                       on_device ? Device::cuda(0) : Device::cpu()});
+  }
+  std::vector<std::byte> results;
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    for (std::size_t g = layout.size(); g-- > 0;) {  // backward order
+      const std::vector<std::byte> values = input(layout[g], rank, iteration, g);
+      std::memcpy(host[g].data(), values.data(), values.size());  // in place: the Synchronizer holds its address
+      if (on_device && cudaMemcpy(device[g], host[g].data(), host[g].size(), cudaMemcpyHostToDevice) != cudaSuccess)
+        throw std::runtime_error("cudaMemcpy");
+      sync.ready(static_cast<GradId>(g));
+    }
+    sync.wait();
+    for (std::size_t g = 0; g < layout.size(); ++g) {
+      if (on_device && cudaMemcpy(host[g].data(), device[g], host[g].size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+        throw std::runtime_error("cudaMemcpy");
+      results.insert(results.end(), host[g].begin(), host[g].end());
+    }
+  }
+  for (void* p : device) cudaFree(p);
+  return results;
+}
+
+std::string digest(const std::vector<std::byte>& bytes) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (std::byte b : bytes) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ull;
+  return fmt::format("{:016x}", h);
+}
+
+// Each rank runs the device path, then the host path, over a fresh transport each time; it
+// reports "digest <hex>" if they agree bit for bit, and the ranks' digests must all be equal.
+template <class C, class T>
+void device_matches_host(const std::string& what, const C& codec, const T& topology) {
+  for (const bool shared_memory : {false, true})
+    for (const int n : {2, 4}) {
+      CAPTURE(what);
+      CAPTURE(shared_memory);
+      CAPTURE(n);
+      const std::uint16_t ports[2] = {test::free_port(), test::free_port()};
+      const std::string job = fmt::format("cuda-sync-{}-{}", ::getpid(), std::random_device{}());
+      const auto results = test::run_processes(n, [&](int rank) -> std::string {
+        if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
+        std::vector<std::byte> outcome[2];
+        for (int pass = 0; pass < 2; ++pass) {
+          const bool on_device = pass == 0;
+          if (shared_memory)
+            outcome[pass] = run(transport::SharedMemory({.local_rank = rank, .local_size = n,
+                                                         .job = job + std::to_string(pass), .token = token,
+                                                         .setup_timeout = 30s}),
+                                rank, on_device, codec, topology);
+          else
+            outcome[pass] = run(transport::Tcp({.rank = rank, .world_size = n, .master_port = ports[pass],
+                                                .token = token, .setup_timeout = 30s}),
+                                rank, on_device, codec, topology);
+        }
+        if (outcome[0] != outcome[1]) {
+          std::size_t at = 0;
+          while (outcome[0][at] == outcome[1][at]) ++at;
+          return fmt::format("device and host results differ from byte {} of {}", at, outcome[0].size());
+        }
+        return "digest " + digest(outcome[0]);
+      });
+      for (const auto& r : results) {
+        CAPTURE(r.report);
+        CHECK(r.report.starts_with("digest "));
+        CHECK(r.report == results[0].report);
+      }
+    }
+}
+
+}  // namespace
+
+TEST_SUITE("cuda") {
+  TEST_CASE("device gradients give the host path's bits on every rank: ring" * doctest::skip(no_device)) {
+    device_matches_host("none", compression::None{}, topology::Ring{.chunk_elements = 512});
+    device_matches_host("fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512});
+    device_matches_host("ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{});
+    device_matches_host("top-k", compression::TopK{}, topology::Ring{});
+  }
+
+  TEST_CASE("device gradients give the host path's bits on every rank: parameter server" * doctest::skip(no_device)) {
+    device_matches_host("none", compression::None{}, topology::ParameterServer{.chunk_elements = 512});
+    device_matches_host("ef-one-bit", compression::ErrorFeedback<compression::OneBit>{}, topology::ParameterServer{});
+  }
+
+  TEST_CASE("device gradients give the host path's bits on every rank: hierarchical" * doctest::skip(no_device)) {
+    device_matches_host("bf16", compression::Bf16{}, topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512});
+  }
+
+  TEST_CASE("a gradient the device does not hold is refused at add()" * doctest::skip(no_device)) {
+    const auto results = test::run_processes(1, [&](int) -> std::string {
+      std::vector<float> host(10);
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, transport::InProcess> sync(
+          std::move(transport::InProcess::create_world(1)[0]));
+      try {
+        sync.add("host memory called device memory", view(host, Device::cuda(0)));
+      } catch (const Error& e) {
+        return e.kind() == ErrorKind::invalid_argument ? "ok" : e.what();
+      }
+      return "accepted";
+    });
+    CHECK_MESSAGE(results[0].ok(), results[0].report);
+  }
+}
