@@ -41,6 +41,16 @@ __device__ void write_header(std::byte* out, std::uint64_t header) {
   for (int b = 0; b < 8; ++b) out[b] = static_cast<std::byte>(header >> (8 * b));
 }
 
+// Four decoded values into their place, added to what is there or over it.
+__device__ void land_quad(float4& out, float4 v, bool add) {
+  if (add) {
+    const float4 old = out;
+    v = make_float4(numeric::add_rn(old.x, v.x), numeric::add_rn(old.y, v.y), numeric::add_rn(old.z, v.z),
+                    numeric::add_rn(old.w, v.w));
+  }
+  out = v;
+}
+
 // --- 16-bit floats ---
 
 struct F16 {
@@ -73,14 +83,8 @@ __global__ void decode_16(const std::uint16_t* in, std::size_t n, float* out, bo
   if (first >= n) return;
   if (vector && first + per_thread <= n) {
     const ushort4 c = reinterpret_cast<const ushort4*>(in)[q];
-    float4 v = make_float4(Format::decode(c.x), Format::decode(c.y), Format::decode(c.z), Format::decode(c.w));
-    float4& o = reinterpret_cast<float4*>(out)[q];
-    if (add) {
-      const float4 old = o;
-      v = make_float4(numeric::add_rn(old.x, v.x), numeric::add_rn(old.y, v.y), numeric::add_rn(old.z, v.z),
-                      numeric::add_rn(old.w, v.w));
-    }
-    o = v;
+    land_quad(reinterpret_cast<float4*>(out)[q],
+              make_float4(Format::decode(c.x), Format::decode(c.y), Format::decode(c.z), Format::decode(c.w)), add);
     return;
   }
   for (std::size_t i = first; i < n && i < first + per_thread; ++i)
@@ -227,14 +231,7 @@ __global__ void unpack(const std::byte* in, std::size_t n, float* out, bool add,
   const unsigned shift = Bits * static_cast<unsigned>(first % Codes::per_word);
   const auto value_at = [&](unsigned j) { return value((word >> (shift + Bits * j)) & Codes::mask, parameter); };
   if (vector && first + per_thread <= n) {
-    float4 v = make_float4(value_at(0), value_at(1), value_at(2), value_at(3));
-    float4& o = reinterpret_cast<float4*>(out)[q];
-    if (add) {
-      const float4 old = o;
-      v = make_float4(numeric::add_rn(old.x, v.x), numeric::add_rn(old.y, v.y), numeric::add_rn(old.z, v.z),
-                      numeric::add_rn(old.w, v.w));
-    }
-    o = v;
+    land_quad(reinterpret_cast<float4*>(out)[q], make_float4(value_at(0), value_at(1), value_at(2), value_at(3)), add);
     return;
   }
   for (unsigned j = 0; first + j < n && j < per_thread; ++j)
