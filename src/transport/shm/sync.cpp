@@ -56,6 +56,7 @@ void RobustMutex::lock() { acquired(pthread_mutex_lock(&mutex_)); }
 bool RobustMutex::try_lock() { return acquired(pthread_mutex_trylock(&mutex_)); }
 
 bool RobustMutex::try_lock_until(Clock::time_point deadline) {
+  if (try_lock()) return true;  // the usual case, without glibc's timed path
   // steady_clock is CLOCK_MONOTONIC.
   const timespec at = timespec_of(deadline.time_since_epoch());
   return acquired(pthread_mutex_clocklock(&mutex_, CLOCK_MONOTONIC, &at));
