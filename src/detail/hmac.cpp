@@ -1,98 +1,41 @@
+// SHA-256, HMAC-SHA-256 and the constant-time comparison, from libsodium.
+
 #include "detail/hmac.hpp"
 
-#include <cstring>
-#include <vector>
+#include <sodium.h>
+
+#include <stdexcept>
 
 namespace gradsync::detail {
 
 namespace {
-
-constexpr std::uint32_t round_constants[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-
-constexpr std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-
-void compress(std::uint32_t state[8], const std::uint8_t block[64]) {
-  std::uint32_t w[64];
-  for (int i = 0; i < 16; ++i)
-    w[i] = std::uint32_t(block[4 * i]) << 24 | std::uint32_t(block[4 * i + 1]) << 16 |
-           std::uint32_t(block[4 * i + 2]) << 8 | std::uint32_t(block[4 * i + 3]);
-  for (int i = 16; i < 64; ++i) {
-    const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-    const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-  }
-  std::uint32_t a = state[0], b = state[1], c = state[2], d = state[3], e = state[4], f = state[5], g = state[6],
-                h = state[7];
-  for (int i = 0; i < 64; ++i) {
-    const std::uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + round_constants[i] + w[i];
-    const std::uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-    h = g;
-    g = f;
-    f = e;
-    e = d + t1;
-    d = c;
-    c = b;
-    b = a;
-    a = t1 + t2;
-  }
-  state[0] += a, state[1] += b, state[2] += c, state[3] += d;
-  state[4] += e, state[5] += f, state[6] += g, state[7] += h;
+// libsodium picks its implementations once, at sodium_init(); it is thread-safe and idempotent.
+void initialize() {
+  static const bool ready = sodium_init() >= 0;
+  if (!ready) throw std::runtime_error("libsodium could not be initialized");
 }
 
+const unsigned char* bytes(std::span<const std::byte> s) { return reinterpret_cast<const unsigned char*>(s.data()); }
 }  // namespace
 
 Digest sha256(std::span<const std::byte> message) {
-  std::uint32_t state[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                            0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  const auto* bytes = reinterpret_cast<const std::uint8_t*>(message.data());
-  const std::size_t n = message.size();
-  std::size_t done = 0;
-  for (; done + 64 <= n; done += 64) compress(state, bytes + done);
-  // The tail, a 1 bit, zeros, and the length in bits, in one or two final blocks.
-  std::uint8_t tail[128] = {};
-  const std::size_t rest = n - done;
-  if (rest) std::memcpy(tail, bytes + done, rest);
-  tail[rest] = 0x80;
-  const std::size_t tail_blocks = rest + 9 <= 64 ? 1 : 2;
-  const std::uint64_t bits = static_cast<std::uint64_t>(n) * 8;
-  for (int i = 0; i < 8; ++i) tail[tail_blocks * 64 - 1 - i] = static_cast<std::uint8_t>(bits >> (8 * i));
-  for (std::size_t b = 0; b < tail_blocks; ++b) compress(state, tail + 64 * b);
-  Digest out;
-  for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < 4; ++j) out[4 * i + j] = static_cast<std::uint8_t>(state[i] >> (24 - 8 * j));
-  return out;
+  initialize();
+  Digest digest;
+  crypto_hash_sha256(digest.data(), bytes(message), message.size());
+  return digest;
 }
 
 Digest hmac_sha256(std::span<const std::byte> key, std::span<const std::byte> message) {
-  std::array<std::byte, 64> block{};
-  if (key.size() > block.size()) {
-    const Digest hashed = sha256(key);
-    std::memcpy(block.data(), hashed.data(), hashed.size());
-  } else if (!key.empty()) {
-    std::memcpy(block.data(), key.data(), key.size());
-  }
-  std::vector<std::byte> inner(64 + message.size());
-  for (std::size_t i = 0; i < 64; ++i) inner[i] = block[i] ^ std::byte{0x36};
-  if (!message.empty()) std::memcpy(inner.data() + 64, message.data(), message.size());
-  const Digest inner_digest = sha256(inner);
-  std::array<std::byte, 96> outer{};
-  for (std::size_t i = 0; i < 64; ++i) outer[i] = block[i] ^ std::byte{0x5c};
-  std::memcpy(outer.data() + 64, inner_digest.data(), inner_digest.size());
-  return sha256(outer);
+  initialize();
+  crypto_auth_hmacsha256_state state;
+  crypto_auth_hmacsha256_init(&state, bytes(key), key.size());  // any key length, as RFC 2104
+  crypto_auth_hmacsha256_update(&state, bytes(message), message.size());
+  Digest digest;
+  crypto_auth_hmacsha256_final(&state, digest.data());
+  sodium_memzero(&state, sizeof state);
+  return digest;
 }
 
-bool equal_digests(const Digest& a, const Digest& b) noexcept {
-  std::uint8_t difference = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) difference |= static_cast<std::uint8_t>(a[i] ^ b[i]);
-  return difference == 0;
-}
+bool equal_digests(const Digest& a, const Digest& b) noexcept { return sodium_memcmp(a.data(), b.data(), a.size()) == 0; }
 
 }  // namespace gradsync::detail

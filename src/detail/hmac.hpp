@@ -1,7 +1,7 @@
 #pragma once
 // SHA-256 and HMAC-SHA-256 (FIPS 180-4, RFC 2104), for proving knowledge of the job token when
-// a connection is set up without sending the token itself. Private to the library; compiled in
-// hmac.cpp.
+// a connection is set up without sending the token itself. Private to the library; hmac.cpp
+// takes them from libsodium.
 
 #include <array>
 #include <cstddef>
