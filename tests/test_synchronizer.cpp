@@ -8,6 +8,7 @@
 #include <barrier>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <numeric>
@@ -385,6 +386,45 @@ TEST_SUITE("synchronizer") {
           CHECK(line.find("bucket 2: ") != std::string::npos);
         }
       }
+  }
+
+  TEST_CASE("a policy setting or option out of range is refused when the Synchronizer is built, naming it") {
+    // What building a one-rank Synchronizer with these policies says.
+    const auto refusal = []<class B, class C, class T>(B bucketing, C codec, T topology, Options options = {}) {
+      try {
+        Synchronizer<B, C, T, InProcess> sync(std::move(InProcess::create_world(1)[0]), options, bucketing, codec,
+                                              topology);
+      } catch (const Error& e) {
+        return e.kind() == ErrorKind::invalid_argument ? std::string(e.what()) : "wrong kind: " + std::string(e.what());
+      }
+      return std::string("accepted");
+    };
+    const auto nan = std::numeric_limits<double>::quiet_NaN();
+    const compression::None none;
+    const topology::Ring ring;
+    const bucketing::PerTensor per_tensor;
+    const std::pair<std::string, std::string> cases[] = {
+        {refusal(bucketing::TimeClustered{.check_every = 0}, none, ring), "check_every is 0"},
+        {refusal(bucketing::TimeClustered{.profile_iterations = 0}, none, ring), "profile_iterations is 0"},
+        {refusal(bucketing::TimeClustered{.window = 0}, none, ring), "window is 0"},
+        {refusal(bucketing::TimeClustered{.gap_factor = nan}, none, ring), "gap_factor is nan"},
+        {refusal(bucketing::TimeClustered{.drift_tolerance = -1}, none, ring), "drift_tolerance is -1"},
+        {refusal(bucketing::TimeClustered{.min_bucket_bytes = 10, .max_bucket_bytes = 5}, none, ring),
+         "min_bucket_bytes is 10; it must be at most max_bucket_bytes (5)"},
+        {refusal(bucketing::FixedSize{.cap_bytes = 0}, none, ring), "cap_bytes is 0"},
+        {refusal(per_tensor, compression::TwoBit{.threshold = -0.5f}, ring), "threshold is -0.5"},
+        {refusal(per_tensor, compression::ErrorFeedback<compression::TwoBit>{{.threshold = 0}}, ring), "threshold is 0"},
+        {refusal(per_tensor, compression::TopK{.keep = {.fraction = nan}}, ring), "keep.fraction is nan"},
+        {refusal(per_tensor, compression::RandomK{.keep = {.fraction = 2}}, ring), "keep.fraction is 2"},
+        {refusal(per_tensor, none, ring, {.timeout = std::chrono::milliseconds(0)}), "timeout is 0 ms"},
+    };
+    for (const auto& [said, expected] : cases) {
+      CAPTURE(said);
+      CHECK(said.find(expected) != std::string::npos);
+    }
+    // In range, including a count that overrides the fraction.
+    CHECK(refusal(per_tensor, compression::TopK{.keep = {.count = 5, .fraction = nan}}, ring) == "accepted");
+    CHECK(refusal(bucketing::TimeClustered{}, compression::ErrorFeedback<compression::TwoBit>{}, ring) == "accepted");
   }
 
   TEST_CASE("the default 25 MiB caps put a small model in one bucket") {

@@ -5,7 +5,9 @@
 // in the compiler's message.
 //
 // Policies are plain values: configuration lives in their fields and is printed by describe(),
-// which the Synchronizer compares across ranks at the first synchronization.
+// which the Synchronizer compares across ranks at the first synchronization. Any policy may also
+// have validate() const, which throws Error(invalid_argument) naming a setting out of its range
+// (detail/settings.hpp); the Synchronizer calls it when it is built.
 
 #include <chrono>
 #include <concepts>

@@ -37,6 +37,7 @@
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/detail/convert.hpp"
 #include "gradsync/detail/device_gradients.hpp"
+#include "gradsync/detail/settings.hpp"
 #include "gradsync/engine/control.hpp"
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
@@ -75,6 +76,12 @@ class Synchronizer {
         topology_(std::move(topology)),
         group_(group ? std::move(*group) : Group::world(transport_.rank(), transport_.size())),
         control_(transport_, group_, options_.timeout) {
+    detail::validate_policy(bucketing_);
+    detail::validate_policy(codec_);
+    detail::validate_policy(topology_);
+    if (options_.timeout <= std::chrono::milliseconds::zero())
+      throw Error(ErrorKind::invalid_argument, here("options"),
+                  fmt::format("timeout is {} ms; it must be above 0", options_.timeout.count()));
     if (group_.rank < 0 || group_.rank >= group_.size() || group_.members[group_.rank] != transport_.rank())
       throw Error(ErrorKind::invalid_argument, {.rank = transport_.rank(), .operation = "group"},
                   fmt::format("group {:?} does not place this rank (transport rank {}) at its rank {}", group_.name,

@@ -17,12 +17,18 @@
 #include <fmt/format.h>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/detail/settings.hpp"
 
 namespace gradsync::bucketing {
 
 struct FixedSize {
   std::size_t cap_bytes = std::size_t{25} << 20;
   std::size_t first_cap_bytes = std::size_t{1} << 20;
+
+  void validate() const {
+    detail::check_setting(cap_bytes >= 1, "fixed-size bucketing", "cap_bytes", cap_bytes, "at least 1");
+    detail::check_setting(first_cap_bytes >= 1, "fixed-size bucketing", "first_cap_bytes", first_cap_bytes, "at least 1");
+  }
 
   std::string describe() const { return fmt::format("fixed-size(cap={}, first={})", cap_bytes, first_cap_bytes); }
 

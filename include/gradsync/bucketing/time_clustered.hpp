@@ -37,15 +37,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <numeric>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "gradsync/bucketing/fixed_size.hpp"
 #include "gradsync/concepts.hpp"
+#include "gradsync/detail/settings.hpp"
 
 namespace gradsync::bucketing {
 
@@ -59,6 +62,20 @@ struct TimeClustered {
   double drift_tolerance = 0.15;
   std::uint32_t window = 5;
   bool log = true;
+
+  void validate() const {
+    const std::string_view p = "time-clustered bucketing";
+    detail::check_setting(profile_iterations >= 1, p, "profile_iterations", profile_iterations, "at least 1");
+    detail::check_setting(check_every >= 1, p, "check_every", check_every, "at least 1");
+    detail::check_setting(window >= 1, p, "window", window, "at least 1");
+    detail::check_setting(min_gap.count() >= 0, p, "min_gap (ns)", min_gap.count(), "at least 0");
+    detail::check_setting(std::isfinite(gap_factor) && gap_factor > 0, p, "gap_factor", gap_factor, "finite and above 0");
+    detail::check_setting(std::isfinite(drift_tolerance) && drift_tolerance >= 0, p, "drift_tolerance", drift_tolerance,
+                          "finite and at least 0");
+    detail::check_setting(max_bucket_bytes >= 1, p, "max_bucket_bytes", max_bucket_bytes, "at least 1");
+    detail::check_setting(min_bucket_bytes <= max_bucket_bytes, p, "min_bucket_bytes", min_bucket_bytes,
+                          fmt::format("at most max_bucket_bytes ({})", max_bucket_bytes));
+  }
 
   // A plan with each bucket's time point and the span of its members' times.
   struct Timed {

@@ -18,12 +18,15 @@
 
 #include "gradsync/compression/checks.hpp"
 #include "gradsync/concepts.hpp"
+#include "gradsync/detail/settings.hpp"
 
 namespace gradsync::compression {
 
 template <CompressionPolicy C>
 struct ErrorFeedback {
   C codec{};
+
+  void validate() const { detail::validate_policy(codec); }
 
   struct State {
     typename C::State inner;

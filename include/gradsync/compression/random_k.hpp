@@ -28,6 +28,8 @@ namespace gradsync::compression {
 
 struct RandomK {
   Keep keep{};
+
+  void validate() const { keep.validate("random-k"); }
   std::uint64_t seed = 0;
 
   struct State {

@@ -7,8 +7,11 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
+
+#include "gradsync/detail/settings.hpp"
 
 namespace gradsync::compression {
 
@@ -25,6 +28,11 @@ struct Keep {
     return std::clamp<std::size_t>(k, 1, n);
   }
   std::string describe() const { return count ? fmt::format("k={}", count) : fmt::format("fraction={}", fraction); }
+  void validate(std::string_view codec) const {
+    if (count == 0)
+      detail::check_setting(std::isfinite(fraction) && fraction > 0 && fraction <= 1, codec, "keep.fraction", fraction,
+                            "in (0, 1] (or keep.count at least 1)");
+  }
 };
 
 // The sparsifiers' encode_keeping_error (see ErrorFeedback): p = residual + values, formed in

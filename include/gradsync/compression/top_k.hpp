@@ -30,6 +30,8 @@ namespace gradsync::compression {
 struct TopK {
   Keep keep{};
 
+  void validate() const { keep.validate("top-k"); }
+
   struct State {};
   static constexpr bool identity = false;
   static constexpr bool lossless = false;

@@ -7,6 +7,7 @@
 // Encoded: the 8-byte header (checks.hpp, codec 3), the f32 threshold, then ceil(n/16) u32 words,
 // value i in bits 2(i%16)..2(i%16)+1 of word i/16. The receiver uses the sender's threshold.
 
+#include <cmath>
 #include <span>
 #include <string>
 
@@ -15,11 +16,17 @@
 #include "gradsync/compression/packed.hpp"
 #include "gradsync/compression/quantize.hpp"
 #include "gradsync/concepts.hpp"
+#include "gradsync/detail/settings.hpp"
 
 namespace gradsync::compression {
 
 struct TwoBit {
   float threshold = 0.5f;
+
+  void validate() const {
+    detail::check_setting(std::isfinite(threshold) && threshold > 0, "two-bit", "threshold", threshold,
+                          "finite and above 0");
+  }
 
  private:
   // Defined before the members that call it: a function with a deduced return type cannot be
