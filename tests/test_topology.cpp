@@ -332,7 +332,7 @@ TEST_SUITE("topology") {
 
   TEST_CASE("every hierarchical send meets exactly one receive of the same size") {
     for (const auto& shape : std::vector<std::pair<int, int>>{{1, 4}, {4, 1}, {2, 2}, {2, 3}, {3, 2}, {1, 1}})
-      for (std::size_t chunk : {std::size_t{3}, std::size_t{1} << 18}) {
+      for (std::size_t chunk : {std::size_t{3}, std::size_t{8}, std::size_t{1} << 18}) {
         const int machines = shape.first, per_machine = shape.second;
         CAPTURE(machines);
         check_pairing(topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk},
@@ -369,7 +369,8 @@ TEST_SUITE("topology") {
 
   TEST_CASE("the hierarchical schedule is pipelined: column by column, the link pacing the machine's reduce-scatter") {
     // 2 machines of 2, 1000 elements, pieces of at most 50: each rank's shard of 500 is 2 segments
-    // across machines of 250, so 5 columns of 2 pieces within the machine.
+    // across machines of 250, each cut 12, 25, 44 x 4, 25, 12 (the first two and last two pieces
+    // tapered), so 8 columns of 2 pieces within the machine.
     const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 50};
     for (bool identity : {true, false})
       for (int rank = 0; rank < 4; ++rank) {
@@ -378,10 +379,12 @@ TEST_SUITE("topology") {
         const Schedule s = two.schedule(Group::world(rank, 4), 1000, {.identity = identity});
         const auto across = [&](const Step& step) { return step.peer / 2 != rank / 2; };
         std::set<std::pair<std::size_t, std::size_t>> within_pieces;
+        std::vector<std::size_t> first_sizes;  // of the first transfers in list order
         std::size_t within_sends = 0, within_sends_before_across = 0, paced = 0, gathered = 0;
         bool across_yet = false;
         for (const Step& step : s.steps) {
           if (!engine::is_transfer(step.op)) continue;
+          if (first_sizes.size() < 2) first_sizes.push_back(step.range.size());
           if (across(step)) {
             across_yet = across_yet || step.op == Step::Op::send;
             continue;
@@ -392,21 +395,58 @@ TEST_SUITE("topology") {
           within_sends_before_across += !across_yet;
           const bool after_across =
               step.after != no_step && s.steps[step.after].op == Step::Op::recv && across(s.steps[step.after]);
-          (step.message < 10 ? paced : gathered) += after_across;  // messages 0..9 reduce-scatter, 10..19 allgather
+          (step.message < 16 ? paced : gathered) += after_across;  // messages 0..15 reduce-scatter, 16..31 allgather
         }
         // Every piece across machines is one piece within, so the graph links exactly those.
         for (const Step& step : s.steps)
           if (engine::is_transfer(step.op) && across(step))
             CHECK(within_pieces.count({step.range.begin, step.range.end}) == 1);
-        // The link starts after two columns of the reduce-scatter within (10 sends each way in
-        // all: 5 columns x 2 pieces, reduce-scatter and allgather, one hop each), not after all.
-        CHECK(within_sends == 20);
+        // Every piece is one of the tapered cut's sizes, and the first column is the smallest.
+        for (const auto& [begin, end] : within_pieces) CHECK((end - begin == 12 || end - begin == 25 || end - begin == 44));
+        CHECK(first_sizes == std::vector<std::size_t>{12, 12});
+        // The link starts after two columns of the reduce-scatter within (16 sends each way in
+        // all: 8 columns x 2 pieces, reduce-scatter and allgather, one hop each), not after all.
+        CHECK(within_sends == 32);
         CHECK(within_sends_before_across == 4);
-        // Columns 2..4 wait for the link: their first sends follow a receive from across.
-        CHECK(paced == 3 * 2);
+        // Columns 2..7 wait for the link: their first sends follow a receive from across.
+        CHECK(paced == 6 * 2);
         // Of each column's 2 pieces of the shard, one is finished on the other machine: its send
         // round this machine follows the receive that brings it.
-        CHECK(gathered == 5);
+        CHECK(gathered == 8);
+      }
+  }
+
+  TEST_CASE("a tapered cut tiles its part: a quarter and a half chunk at each end, even pieces between") {
+    for (std::size_t chunk : {std::size_t{1}, std::size_t{3}, std::size_t{4}, std::size_t{50}, std::size_t{1} << 16})
+      for (bool taper : {false, true}) {
+        const topology::detail::PieceCut cut{.chunk = chunk, .taper = taper};
+        std::size_t previous_count = 0;
+        for (std::size_t part : {std::size_t{0}, std::size_t{1}, chunk, 4 * chunk - 1, 4 * chunk, 4 * chunk + 1,
+                                 7 * chunk + 3, 40 * chunk + 1}) {
+          CAPTURE(chunk);
+          CAPTURE(taper);
+          CAPTURE(part);
+          const std::size_t count = cut.count(part);
+          CHECK(count >= previous_count);  // more elements never give fewer pieces
+          previous_count = count;
+          std::size_t next = 0;
+          for (std::size_t q = 0; q < count; ++q) {
+            const ElemRange piece = cut.piece(part, q);
+            REQUIRE(piece.begin == next);
+            REQUIRE(!piece.empty());
+            CHECK(piece.size() <= chunk);
+            next = piece.end;
+          }
+          CHECK(next == part);
+          CHECK(cut.piece(part, count).empty());
+          if (cut.tapers(part)) {
+            CHECK(cut.piece(part, 0).size() == chunk / 4);
+            CHECK(cut.piece(part, 1).size() == chunk / 2);
+            CHECK(cut.piece(part, count - 2).size() == chunk / 2);
+            CHECK(cut.piece(part, count - 1).size() == chunk / 4);
+          }
+          CHECK(cut.tapers(part) == (taper && chunk >= 4 && part >= 4 * chunk));
+        }
       }
   }
 

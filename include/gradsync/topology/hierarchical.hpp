@@ -31,7 +31,10 @@
 // column, the reduce-scatter within of column j+1, the allreduce across of column j and the
 // allgather within of column j. So the first bytes cross the slow link once one column is reduced
 // within the machine (not the whole bucket), and the last column's allgather within is all that
-// remains after the link falls quiet. Column j's reduce-scatter within waits for the first piece of
+// remains after the link falls quiet. Both rings cut a part of four pieces or more tapered
+// (RingSpec::taper): its first two pieces and its last two are a quarter and a half of
+// chunk_elements, so the first column crosses sooner after the start, and the last column's
+// allgather within is short. Column j's reduce-scatter within waits for the first piece of
 // column j-2 from across (reduce_lead), and a piece finished on another machine goes round this one
 // once the receive that brings it is done (in place, with the identity codec). The task graph,
 // which prefers earlier steps of the list, follows that order; so does the serial executor.
@@ -118,14 +121,16 @@ struct Hierarchical {
                                     .range = bucket,
                                     .chunk_elements = chunk_elements,
                                     .form = detail::RingForm::raw,
-                                    .parts = machine_count});
+                                    .parts = machine_count,
+                                    .taper = true});
     detail::RingPhases across(out, {.members = std::move(same_local_rank),
                                     .position = machine,
                                     .range = within.owned_range(),
                                     .chunk_elements = chunk_elements,
                                     .first_message = detail::RingPhases::message_count(local_count, bucket, chunk_elements,
-                                                                                       machine_count),
-                                    .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded});
+                                                                                       machine_count, /*taper=*/true),
+                                    .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded,
+                                    .taper = true});
     // Piece by piece, in the order the data flows (ring_phases.hpp): piece j of the ring across
     // machines is pieces j*M .. j*M+M-1 of the rings within, piece j*M+t lying in segment t across.
     // The next column's reduce-scatter within the machine is listed before this column's exchange

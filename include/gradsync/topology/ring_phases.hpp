@@ -65,6 +65,46 @@ struct RingSpec {
   // piece p / parts of part p % parts. With `parts` = the machine count, a machine ring's pieces of
   // a shard are exactly the pieces of the ring across machines that reduces that shard next.
   int parts = 1;
+  // Cut a part's first two and last two pieces to a quarter and a half of chunk_elements (parts of
+  // at least four chunks only; the rest in even pieces of at most chunk_elements). For a ring that
+  // paces another: the other ring waits for the first small pieces, not a whole chunk, and the last
+  // ones finish sooner after it. Rings whose pieces must line up have to agree on it.
+  bool taper = false;
+};
+
+// How a part of a segment is cut into pieces (RingSpec::chunk_elements, RingSpec::taper).
+struct PieceCut {
+  std::size_t chunk = 1;
+  bool taper = false;
+
+  bool tapers(std::size_t part) const { return taper && chunk >= 4 && part >= 4 * chunk; }
+  std::size_t quarter() const { return chunk / 4; }
+  std::size_t half() const { return chunk / 2; }
+  // The even pieces between the tapered ends.
+  std::size_t middle_pieces(std::size_t middle) const { return (middle + chunk - 1) / chunk; }
+
+  // Pieces of a part of `part` elements; more elements never give fewer pieces.
+  std::size_t count(std::size_t part) const {
+    if (!tapers(part)) return (part + chunk - 1) / chunk;
+    return 4 + middle_pieces(part - 2 * (quarter() + half()));
+  }
+
+  // Piece q of a part of `part` elements, relative to the part; empty if q >= count(part).
+  ElemRange piece(std::size_t part, std::size_t q) const {
+    if (q >= count(part)) return {};
+    if (!tapers(part)) return {q * chunk, std::min(part, (q + 1) * chunk)};
+    const std::size_t head = quarter() + half();
+    const std::size_t middle = part - 2 * head;
+    const std::size_t n = middle_pieces(middle);
+    if (q == 0) return {0, quarter()};
+    if (q == 1) return {quarter(), head};
+    if (q < 2 + n) {
+      const ElemRange m = segment(middle, static_cast<int>(n), static_cast<int>(q - 2));
+      return {head + m.begin, head + m.end};
+    }
+    const std::size_t tail = part - head;
+    return q == 2 + n ? ElemRange{tail, tail + half()} : ElemRange{tail + half(), part};
+  }
 };
 
 class RingPhases {
@@ -74,19 +114,21 @@ class RingPhases {
         spec_(std::move(spec)),
         n_(static_cast<int>(spec_.members.size())),
         r_(spec_.position),
-        chunk_(std::max<std::size_t>(1, spec_.chunk_elements)),
+        cut_{.chunk = std::max<std::size_t>(1, spec_.chunk_elements), .taper = spec_.taper},
         parts_(std::max(1, spec_.parts)),
         encoded_(spec_.form == RingForm::encoded),
         raw_slots_(spec_.form == RingForm::raw),
         gather_in_place_(!encoded_),
-        max_pieces_(most_pieces(spec_.range, n_, parts_, chunk_)),
+        max_pieces_(most_pieces(spec_.range, n_, parts_, cut_)),
         rs_recv_(table()),
         rs_send_(table()),
         ag_recv_(table()) {}
 
   // Message ids a ring of `members` ranks over `range` in pieces of `chunk_elements` takes.
-  static std::uint32_t message_count(int members, ElemRange range, std::size_t chunk_elements, int parts = 1) {
-    const std::size_t pieces = most_pieces(range, members, std::max(1, parts), std::max<std::size_t>(1, chunk_elements));
+  static std::uint32_t message_count(int members, ElemRange range, std::size_t chunk_elements, int parts = 1,
+                                     bool taper = false) {
+    const std::size_t pieces =
+        most_pieces(range, members, std::max(1, parts), {.chunk = std::max<std::size_t>(1, chunk_elements), .taper = taper});
     return static_cast<std::uint32_t>(2 * static_cast<std::size_t>(members - 1) * pieces);
   }
 
@@ -171,9 +213,9 @@ class RingPhases {
   }
 
   // The most pieces any segment has: segment 0 is the largest, its part 0 the largest part.
-  static std::size_t most_pieces(ElemRange range, int members, int parts, std::size_t chunk) {
+  static std::size_t most_pieces(ElemRange range, int members, int parts, PieceCut cut) {
     const std::size_t largest_part = segment(segment(range.size(), members, 0).size(), parts, 0).size();
-    return static_cast<std::size_t>(parts) * ((largest_part + chunk - 1) / chunk);
+    return static_cast<std::size_t>(parts) * cut.count(largest_part);
   }
 
   // Piece `p` of segment `seg_index`; empty if that segment has no such piece.
@@ -181,9 +223,9 @@ class RingPhases {
     const ElemRange seg = segment_of(seg_index);
     const auto parts = static_cast<std::size_t>(parts_);
     const ElemRange part = segment(seg.size(), parts_, static_cast<int>(p % parts));
-    const std::size_t begin = part.begin + (p / parts) * chunk_;
-    if (begin >= part.end) return {};
-    return {seg.begin + begin, seg.begin + std::min(part.end, begin + chunk_)};
+    const ElemRange piece = cut_.piece(part.size(), p / parts);
+    if (piece.empty()) return {};
+    return {seg.begin + part.begin + piece.begin, seg.begin + part.begin + piece.end};
   }
 
   std::vector<std::vector<std::uint32_t>> table() const {
@@ -314,7 +356,7 @@ class RingPhases {
   RingSpec spec_;
   int n_;
   int r_;
-  std::size_t chunk_;
+  PieceCut cut_;
   int parts_;
   bool encoded_;
   bool raw_slots_;
