@@ -141,6 +141,67 @@ TEST_SUITE("async") {
     }
   }
 
+  TEST_CASE("every global gradient is applied once, and a worker's own gradient stands in for it until it comes") {
+    // Gradients that do not depend on the parameters, so that what each wait() leaves can be
+    // checked against the global gradients: after iteration i, a part's sum of what was left is
+    // every global gradient up to the newest applied, plus l_t / N for the later iterations t.
+    constexpr int n = 4, staleness = 2, iterations = 30;
+    constexpr std::size_t elements = 517;
+    std::vector<std::vector<std::vector<float>>> local(static_cast<std::size_t>(n));
+    std::vector<std::vector<double>> global(iterations, std::vector<double>(elements, 0.0));
+    for (int w = 0; w < n; ++w)
+      for (int i = 0; i < iterations; ++i) {
+        local[static_cast<std::size_t>(w)].push_back(
+            test::random_values(elements, 7919u * static_cast<unsigned>(i) + 31u * static_cast<unsigned>(w) + 3u));
+        for (std::size_t e = 0; e < elements; ++e)
+          global[static_cast<std::size_t>(i)][e] += local[static_cast<std::size_t>(w)].back()[e] / n;
+      }
+    const auto errors = test::run_ranks(n, [&](InProcess& t) {
+      const int rank = t.rank();
+      const auto& mine = local[static_cast<std::size_t>(rank)];
+      std::mt19937 speed(static_cast<unsigned>(rank) * 17u + 1u);
+      std::uniform_int_distribution<int> pause_us(0, rank == 0 ? 2500 : 400);
+      std::vector<float> gradient(elements);
+      AsyncSync sync(std::move(t), {.staleness = staleness, .timeout = 20s});
+      sync.add("w", gradient);
+      std::vector<double> left(elements, 0.0);  // the sum of what every wait() left
+      std::vector<std::int64_t> newest(static_cast<std::size_t>(n), -1);
+      std::size_t stood_in = 0;
+      for (int i = 0; i < iterations; ++i) {
+        gradient = mine[static_cast<std::size_t>(i)];
+        std::this_thread::sleep_for(std::chrono::microseconds(pause_us(speed)));
+        sync.ready(0);
+        sync.wait();
+        const async::StepReport& step = sync.last_step();
+        stood_in += static_cast<std::size_t>(step.local_parts);
+        for (std::size_t e = 0; e < elements; ++e) left[e] += gradient[e];
+        for (int p = 0; p < n; ++p) {
+          const std::int64_t applied = step.applied[static_cast<std::size_t>(p)];
+          if (applied >= 0) {
+            CHECK(applied > newest[static_cast<std::size_t>(p)]);
+            newest[static_cast<std::size_t>(p)] = applied;
+          }
+          CHECK(newest[static_cast<std::size_t>(p)] >= i - staleness);
+          const ElemRange part = topology::detail::segment(elements, n, p);
+          for (std::size_t e = part.begin; e < part.end; ++e) {
+            double expected = 0, scale = 0;
+            for (int j = 0; j <= i; ++j) {
+              const double v = j <= newest[static_cast<std::size_t>(p)] ? global[static_cast<std::size_t>(j)][e]
+                                                                        : mine[static_cast<std::size_t>(j)][e] / n;
+              expected += v;
+              scale += std::fabs(v);
+            }
+            REQUIRE(std::fabs(left[e] - expected) <= 1e-5 * (scale + 1));
+          }
+        }
+        CHECK(step.skipped_globals == 0);
+      }
+      sync.finish();
+      MESSAGE("rank " << rank << ": " << stood_in << " parts stood in over " << iterations << " iterations");
+    });
+    for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
+  }
+
   TEST_CASE("with quorum N a worker that stops makes the others fail fast, naming what they wait for") {
     constexpr int n = 3;
     const auto errors = test::run_ranks(n, [&](InProcess& t) {

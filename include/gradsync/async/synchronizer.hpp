@@ -12,32 +12,47 @@
 // share nothing but the communication thread.
 //
 // An iteration t, on worker w:
-//   1. ready() for every gradient: the communication thread encodes the local gradient and pushes
-//      part p to server p (its own part it hands over in memory).
-//   2. wait(): for each part p, the newest global gradient g_p the worker has pulled and not yet
-//      applied replaces the local values, provided g_p >= t - staleness. When no unapplied one has
-//      arrived, the part keeps the local gradient (the document's rule: the next parameters then
-//      follow the local gradient alone) as long as the last one applied is no older than
-//      t - staleness; otherwise wait() blocks until a new enough one arrives. So a part's applied
-//      global gradient is never more than `staleness` iterations behind (staleness 0: wait() waits
-//      for iteration t itself, as the synchronous parameter server does).
+//   1. ready() for every gradient: the communication thread encodes the local gradient l_t and
+//      pushes part p to server p (its own part it hands over in memory) — unless a global gradient
+//      of iteration t or later has already come for that part: t is closed there, and the push
+//      would only be dropped (a straggler's pushes, with quorum < N).
+//   2. wait(): for each part p, every global gradient the worker has pulled since its last wait(),
+//      summed, plus the worker's own gradient standing in for the global gradient of t until that
+//      arrives: l_t / quorum, its share of a global gradient. When the global gradient of t comes
+//      with w among its contributors, the next wait() subtracts that stand-in again, so every global
+//      gradient is applied exactly once and the worker's own gradient once, inside it or on its
+//      own (when t closed without w). Once g_t has arrived by wait(t), nothing stands in. wait()
+//      blocks while a part's newest global gradient is older than t - staleness, so the applied
+//      global gradients are never more than `staleness` iterations behind (staleness 0: wait()
+//      waits for iteration t itself and applies exactly g_t, as the synchronous parameter server).
 //   3. The trainer updates its parameters; then parameters_updated(). At the end of every period
 //      of `period` iterations it pushes the parameters; each server averages its part over all N
 //      workers and sends the same bits back to all, so every worker starts the next period from
 //      the same parameters.
-// Meanwhile the communication thread keeps one pull per part outstanding: "the newest global
-// gradient newer than the one I hold", answered by the server as soon as it has one.
+// Meanwhile the communication thread keeps one pull per part outstanding, "the global gradient
+// after the last one I have", decodes each reply into the part's pending sum as it arrives, and
+// pulls the next.
+//
+// Where this departs from the fourth document, which applies only the newest global gradient not
+// yet used and otherwise the whole local gradient: skipped global gradients are lost, and a local
+// gradient applied in full is counted again inside its global one. On fmnist with a straggler
+// (4 emulated hosts, one rank 2x slower, staleness 2, quorum 3) that rule ended one epoch 3.6-4.4
+// points below the synchronous server at batch 16 and 5.5-8.4 at batch 128; this one 1.6-3.0 and
+// 2.0-6.3 (examples/fmnist/results/README.md has the runs).
 //
 // A server closes iteration t of its part when M = `quorum` pushes of iteration t have arrived:
 // it sums them in a fixed order (its own worker's first if it is among them, then the others in
 // group order), divides by M, encodes the result once and keeps that encoding, with which workers
-// it used, for the pulls. A push that arrives after its iteration closed is counted and dropped.
+// it used, for the pulls. It keeps the last few (N + 2 (staleness + 2)) for workers that pull
+// behind the others; a worker that falls further behind than that gets the oldest one kept, and
+// StepReport::skipped_globals counts what it missed. A push that arrives after its iteration
+// closed is counted and dropped.
 // Pushes of one worker arrive in order and a worker cannot push iteration t before it has applied
 // a global gradient of iteration t - 1 - staleness or later, so iterations close in order and at
 // most staleness + 1 are open at once: the server's buffers are sized for that.
 //
-// With staleness 0, quorum N and period 1 the result is, bit for bit, the synchronous parameter
-// server's (topology::ParameterServer, co-located, identity codec): the same sums in the same
+// With staleness 0 and quorum N (any period) every wait() applies exactly g_t, and with period 1
+// the result is, bit for bit, the synchronous parameter server's (topology::ParameterServer, co-located, identity codec): the same sums in the same
 // order, the same division; the period average of identical parameters is accumulated in f64 and
 // so gives them back unchanged. (With a lossy codec a server's own worker's part is encoded too,
 // where the synchronous server adds its raw values.)
@@ -58,7 +73,6 @@
 // move to a live server); f16/bf16/f64 gradients.
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -97,10 +111,11 @@ struct Options {
 // What the last wait() applied, part by part, and what this rank's server did so far.
 struct StepReport {
   std::uint64_t iteration = 0;
-  int age = 0;               // max over parts of iteration - the applied global's iteration
-  int local_parts = 0;       // parts that kept the local gradient: nothing new had arrived
-  std::vector<std::int64_t> applied;  // per part: the global gradient's iteration, -1 for local
-  std::vector<std::uint64_t> contributors;  // per part: the workers its server used, bit w = worker w
+  int age = 0;               // max over parts of iteration - the newest global gradient applied so far
+  int local_parts = 0;       // parts where this iteration's own gradient stood in (its global had not come)
+  std::vector<std::int64_t> applied;  // per part: the newest global gradient applied now, -1 for none
+  std::vector<std::uint64_t> contributors;  // per part: the workers its server used for it, bit w = worker w
+  std::uint64_t skipped_globals = 0;  // so far: global gradients this worker never got (pulled too late)
   std::uint64_t dropped_pushes = 0;  // this rank's server, so far: pushes that came after their iteration closed
   std::chrono::nanoseconds blocked{0};  // wait() blocked for a new enough global gradient
   std::uint64_t bytes_sent = 0;         // by this rank since the wait() before (worker and server)
@@ -225,25 +240,11 @@ class Synchronizer final : private transport::CompletionSink {
     report_.age = 0;
     report_.local_parts = 0;
     for (int p = 0; p < n_; ++p) {
-      PullSlot* slot = newest_unapplied(p);
-      if (!slot) {
-        report_.applied[p] = -1;
-        report_.contributors[p] = 0;
-        ++report_.local_parts;
-        continue;
-      }
-      // Claimed, the thread leaves the slot alone while it is decoded without the lock.
-      slot->claimed = true;
-      lock.unlock();
-      codec_.decode(slot->encoded(), flat_part(p), DecodeMode::overwrite);
-      lock.lock();
-      slot->claimed = false;
-      slot->applied = true;
-      applied_[p] = static_cast<std::int64_t>(slot->iteration);
-      report_.applied[p] = applied_[p];
-      report_.contributors[p] = slot->contributors;
-      report_.age = std::max(report_.age, static_cast<int>(static_cast<std::int64_t>(t) - applied_[p]));
+      apply_part(p, t);
+      if (applied_[p] >= 0)
+        report_.age = std::max(report_.age, static_cast<int>(static_cast<std::int64_t>(t) - applied_[p]));
     }
+    report_.skipped_globals = skipped_;
     scatter(flat_, gradients_);
     for (auto& marked : marked_) marked.store(0, std::memory_order_relaxed);
     report_.dropped_pushes = dropped_;
@@ -254,7 +255,7 @@ class Synchronizer final : private transport::CompletionSink {
     period_due_ = options_.period > 0 && iteration_ % static_cast<std::uint64_t>(options_.period) == 0;
     pending_.store(gradients_.size(), std::memory_order_release);
     lock.unlock();
-    wake_thread();  // the applied slots can take the next pulls
+    wake_thread();  // the next iteration's gradients may already be ready
   }
 
   // Call after the trainer's update of each iteration. At the end of a period it pushes the
@@ -288,33 +289,33 @@ class Synchronizer final : private transport::CompletionSink {
   static constexpr std::uint64_t nothing = ~std::uint64_t{0};
   static constexpr std::size_t header_bytes = 16;  // a push's or global gradient's iteration, and contributors
 
-  // Every request this rank posts: one per kind of message and peer (two per peer for pulled
-  // replies, which alternate between two slots).
+  // Every request this rank posts: one per kind of message and peer.
   enum Site : std::uint32_t {
-    push_sent, push_received, pull_sent, pull_received, reply_sent, reply_received_0, reply_received_1,
-    parameters_sent, parameters_received, average_sent, average_received, done_sent, done_received, sites
+    push_sent, push_received, pull_sent, pull_received, reply_sent, reply_received, parameters_sent, parameters_received, average_sent, average_received, done_sent, done_received, sites
   };
   // Message kinds: offsets of ControlMessage::async_parameter_server (engine/tag.hpp).
   enum Kind : std::uint32_t { push = 0, pull = 1, reply = 2, parameters = 3, average = 4, done = 5 };
-
-  // A pulled global gradient of one part: header, then the encoding.
-  struct PullSlot {
-    detail::TransportBuffer<X> bytes;
-    std::uint64_t iteration = 0;
-    std::uint64_t contributors = 0;
-    std::size_t size = 0;
-    bool filled = false, applied = false, claimed = false;
-    std::span<const std::byte> encoded() const {
-      return std::span<const std::byte>(bytes.data(), bytes.size()).subspan(header_bytes, size - header_bytes);
-    }
-  };
 
   // A closed iteration's global gradient of the served part, with the replies still reading it.
   struct GlobalSlot {
     detail::TransportBuffer<X> bytes;
     std::size_t size = 0;
     std::uint64_t iteration = 0;
+    bool filled = false;
     int readers = 0;
+  };
+
+  // How the worker's own gradient of iteration t enters its updates, part by part (the top of this
+  // file): kept for the last staleness + 1 iterations, entry t % (staleness + 1).
+  enum class Own : std::uint8_t {
+    waiting,    // wait(t) has not come yet, nor a global gradient of t with this worker in it
+    in_global,  // g_t with this worker in it came first: wait(t) adds nothing of its own
+    stood_in,   // wait(t) applied a stand-in (kept in stand_ins_); g_t, if it has this worker in it, takes it back
+    settled,    // stood in, and then taken back
+  };
+  struct OwnEntry {
+    std::int64_t iteration = -1;
+    Own state = Own::waiting;
   };
 
   static std::span<std::byte> whole(const detail::TransportBuffer<X>& buffer) { return {buffer.data(), buffer.size()}; }
@@ -333,6 +334,14 @@ class Synchronizer final : private transport::CompletionSink {
   }
   ErrorContext here(const char* operation) const { return {.rank = transport_.rank(), .operation = operation}; }
   std::span<float> flat_part(int p) { return std::span(flat_).subspan(parts_[p].begin, parts_[p].size()); }
+  std::span<float> pending_part(int p) { return std::span(pending_flat_).subspan(parts_[p].begin, parts_[p].size()); }
+  std::size_t own_ring() const { return static_cast<std::size_t>(options_.staleness) + 1; }
+  OwnEntry& own_entry(std::uint64_t t, int p) {
+    return own_[(t % own_ring()) * static_cast<std::size_t>(n_) + static_cast<std::size_t>(p)];
+  }
+  std::span<float> stand_in_part(std::uint64_t t, int p) {
+    return std::span(stand_ins_).subspan((t % own_ring()) * flat_.size() + parts_[p].begin, parts_[p].size());
+  }
   std::span<float> parameter_part(int p) {
     return std::span(parameter_flat_).subspan(parameter_parts_[p].begin, parameter_parts_[p].size());
   }
@@ -355,10 +364,19 @@ class Synchronizer final : private transport::CompletionSink {
     for (int p = 0; p < n_; ++p) {
       push_bytes_.emplace_back(&transport_, capacity);
       push_states_.push_back(codec_.make_state(parts_[p].size(), DType::f32));
-      for (auto& slots : pull_slots_) slots.emplace_back().bytes = detail::TransportBuffer<X>(&transport_, capacity);
+      reply_bytes_.emplace_back(&transport_, capacity);
       received_pushes_.emplace_back(&transport_, capacity);
     }
-    for (int g = 0; g < n_ + 2; ++g) globals_.emplace_back().bytes = detail::TransportBuffer<X>(&transport_, capacity);
+    pending_flat_.assign(total, 0.0f);
+    pending_newest_.assign(per_peer, -1);
+    pending_contributors_.assign(per_peer, 0);
+    arrived_newest_.assign(per_peer, -1);
+    stand_ins_.assign(own_ring() * total, 0.0f);
+    own_.assign(own_ring() * per_peer, {});
+    // At most N replies read a global gradient at once; the rest keep the newest ones for workers
+    // that pull behind the others.
+    const int kept_globals = n_ + 2 * (options_.staleness + 2);
+    for (int g = 0; g < kept_globals; ++g) globals_.emplace_back().bytes = detail::TransportBuffer<X>(&transport_, capacity);
     window_ = static_cast<std::size_t>(options_.staleness) + 2;
     contributions_.assign(window_ * per_peer * own, 0.0f);
     arrived_.assign(window_ * per_peer, 0);
@@ -380,6 +398,7 @@ class Synchronizer final : private transport::CompletionSink {
     reply_from_.assign(per_peer, -1);
     pull_outstanding_.assign(per_peer, 0);
     pushes_encoded_.assign(per_peer, 0);
+    pushes_sent_.assign(per_peer, 0);
     averages_sent_.assign(per_peer, 0);
     averages_arrived_.assign(per_peer, 0);
     applied_.assign(per_peer, -1);
@@ -395,32 +414,55 @@ class Synchronizer final : private transport::CompletionSink {
 
   // ---- the trainer's side (under mutex_) --------------------------------------------------------
 
-  // Every part either has an unapplied global gradient new enough, or may keep the local values.
+  // Every live part has a global gradient of t - staleness or later, applied or pending.
   bool applicable(std::uint64_t t) {
     const auto oldest = static_cast<std::int64_t>(t) - options_.staleness;
-    for (int p = 0; p < n_; ++p) {
-      if (dead_[p]) continue;  // no server: the local gradient
-      const PullSlot* slot = newest_unapplied(p);
-      if ((slot ? static_cast<std::int64_t>(slot->iteration) : applied_[p]) < oldest) return false;
-    }
+    for (int p = 0; p < n_; ++p)
+      if (!dead_[p] && arrived_newest_[p] < oldest) return false;  // a dead server's part: local only
     return true;
   }
 
-  PullSlot* newest_unapplied(int p) {
-    PullSlot* best = nullptr;
-    for (auto& slots : pull_slots_) {
-      PullSlot& s = slots[p];
-      if (s.filled && !s.applied && (!best || s.iteration > best->iteration)) best = &s;
+  // Part p of what wait(t) leaves (flat_ holds l_t): the pending global gradients, summed, and the
+  // stand-in for g_t unless g_t with this worker in it came first; a dead server's part adds l_t
+  // whole instead, with nobody else to average with.
+  void apply_part(int p, std::uint64_t t) {
+    const std::span<float> out = flat_part(p);
+    const std::span<const float> pending = pending_part(p);
+    const bool has_pending = pending_newest_[p] >= 0;
+    report_.applied[p] = pending_newest_[p];
+    report_.contributors[p] = has_pending ? pending_contributors_[p] : 0;
+    if (has_pending) applied_[p] = pending_newest_[p];
+    pending_newest_[p] = -1;
+    if (dead_[p]) {
+      ++report_.local_parts;
+      if (has_pending)
+        for (std::size_t e = 0; e < out.size(); ++e) out[e] += pending[e];
+      return;
     }
-    return best;
+    OwnEntry& own = own_entry(t, p);
+    if (own.iteration == static_cast<std::int64_t>(t) && own.state == Own::in_global) {
+      if (has_pending)
+        std::copy(pending.begin(), pending.end(), out.begin());  // exactly the global gradients' bits
+      else
+        std::fill(out.begin(), out.end(), 0.0f);
+      return;
+    }
+    ++report_.local_parts;
+    const std::span<float> stand_in = stand_in_part(t, p);
+    const auto divisor = static_cast<float>(quorum_);
+    for (std::size_t e = 0; e < out.size(); ++e) stand_in[e] = out[e] / divisor;
+    own = {.iteration = static_cast<std::int64_t>(t), .state = Own::stood_in};
+    if (has_pending)
+      for (std::size_t e = 0; e < out.size(); ++e) out[e] = pending[e] + stand_in[e];
+    else
+      std::copy(stand_in.begin(), stand_in.end(), out.begin());
   }
 
   Error too_old(std::uint64_t t) {
     std::string parts;
     for (int p = 0; p < n_; ++p) {
-      const PullSlot* slot = newest_unapplied(p);
-      const std::int64_t have = slot ? static_cast<std::int64_t>(slot->iteration) : applied_[p];
-      if (have < static_cast<std::int64_t>(t) - options_.staleness)
+      const std::int64_t have = arrived_newest_[p];
+      if (!dead_[p] && have < static_cast<std::int64_t>(t) - options_.staleness)
         parts += fmt::format("{}part {} (server rank {}, newest iteration {})", parts.empty() ? "" : ", ", p,
                              group_.members[p], have);
     }
@@ -583,7 +625,7 @@ class Synchronizer final : private transport::CompletionSink {
         --globals_[static_cast<std::size_t>(reply_from_[peer])].readers;
         reply_from_[peer] = -1;
       }
-      if (site == pull_sent || site == reply_received_0 || site == reply_received_1) pull_outstanding_[peer] = 0;
+      if (site == pull_sent || site == reply_received) pull_outstanding_[peer] = 0;
       leave_behind(peer, e);
       return;
     }
@@ -600,20 +642,10 @@ class Synchronizer final : private transport::CompletionSink {
              std::as_writable_bytes(std::span(&received_pull_[peer], 1)));
         break;
       case reply_sent: --globals_[static_cast<std::size_t>(reply_from_[peer])].readers; reply_from_[peer] = -1; break;
-      case reply_received_0:
-      case reply_received_1: {
-        PullSlot& slot = pull_slots_[site == reply_received_0 ? 0 : 1][peer];
-        if (bytes < header_bytes)
-          throw Error(ErrorKind::protocol, {.rank = transport_.rank(), .peer = group_.members[peer], .operation = "pull"},
-                      fmt::format("a global gradient of {} bytes has no header", bytes));
-        slot.size = bytes;
-        std::memcpy(&slot.iteration, whole(slot.bytes).data(), 8);
-        std::memcpy(&slot.contributors, whole(slot.bytes).data() + 8, 8);
-        slot.filled = true;
-        slot.applied = false;
+      case reply_received:
+        take_global(peer, whole(reply_bytes_[peer]).first(bytes));
         pull_outstanding_[peer] = 0;
         break;
-      }
       case parameters_received:
         expect_bytes(peer, "parameters", bytes, parameter_parts_[group_.rank].size() * sizeof(float));
         parameters_from_[peer] = 1;
@@ -672,7 +704,8 @@ class Synchronizer final : private transport::CompletionSink {
     bool all = true;
     for (int p = 0; p < n_; ++p) {
       if (pushes_encoded_[p] > t) continue;
-      if (dead_[p]) {
+      // A dead server takes nothing; nor does one that has closed iteration t already.
+      if (dead_[p] || arrived_newest_[p] >= static_cast<std::int64_t>(t)) {
         pushes_encoded_[p] = t + 1;
         continue;
       }
@@ -686,29 +719,53 @@ class Synchronizer final : private transport::CompletionSink {
       std::memcpy(out.data(), &t, 8);
       std::memset(out.data() + 8, 0, 8);
       pushes_encoded_[p] = t + 1;
-      post(push_sent, p, true, push, t, out.first(bytes));
+      post(push_sent, p, true, push, pushes_sent_[p]++, out.first(bytes));
     }
     if (!all) return;
     copied_ = false;
     pushed_ = t + 1;  // flat_ is the trainer's again
   }
 
-  // Keeps one pull of part p outstanding, into a slot that holds nothing the trainer still wants
-  // (applied, or older than the newest unapplied one): "the newest global gradient after the one
-  // I hold".
+  // Keeps one pull of part p outstanding: "the global gradient after the last one I have".
   void refill_pull(int p) {
-    if (dead_[p] || pull_outstanding_[p] || posted_[index(pull_sent, p)]) return;
-    const PullSlot* newest = newest_unapplied(p);
-    for (std::size_t v = 0; v < pull_slots_.size(); ++v) {
-      PullSlot& slot = pull_slots_[v][p];
-      if (&slot == newest || slot.claimed || posted_[index(v == 0 ? reply_received_0 : reply_received_1, p)]) continue;
-      slot.filled = false;
-      pull_outstanding_[p] = 1;
-      pull_min_[p] = newest ? newest->iteration + 1 : static_cast<std::uint64_t>(applied_[p] + 1);
-      const std::uint64_t sequence = pulls_sent_[p]++;
-      post(v == 0 ? reply_received_0 : reply_received_1, p, false, reply, sequence, whole(slot.bytes));
-      post(pull_sent, p, true, pull, sequence, std::as_writable_bytes(std::span(&pull_min_[p], 1)));
-      return;
+    if (dead_[p] || pull_outstanding_[p] || posted_[index(pull_sent, p)] || posted_[index(reply_received, p)]) return;
+    pull_outstanding_[p] = 1;
+    pull_min_[p] = static_cast<std::uint64_t>(arrived_newest_[p] + 1);
+    const std::uint64_t sequence = pulls_sent_[p]++;
+    post(reply_received, p, false, reply, sequence, whole(reply_bytes_[p]));
+    post(pull_sent, p, true, pull, sequence, std::as_writable_bytes(std::span(&pull_min_[p], 1)));
+  }
+
+  // A global gradient of part p has come: decoded into the part's pending sum at once, and, if it
+  // has this worker in it, the worker's stand-in for that iteration taken back (or not applied at
+  // all, if wait() has not come to that iteration yet).
+  void take_global(int p, std::span<const std::byte> message) {
+    const ErrorContext from{.rank = transport_.rank(), .peer = group_.members[p], .operation = "pull"};
+    if (message.size() < header_bytes)
+      throw Error(ErrorKind::protocol, from, fmt::format("a global gradient of {} bytes has no header", message.size()));
+    std::uint64_t t, contributors;
+    std::memcpy(&t, message.data(), 8);
+    std::memcpy(&contributors, message.data() + 8, 8);
+    const auto iteration = static_cast<std::int64_t>(t);
+    if (iteration <= arrived_newest_[p])
+      throw Error(ErrorKind::protocol, from,
+                  fmt::format("global gradient of iteration {} after {}: the server must answer with a newer one",
+                              iteration, arrived_newest_[p]));
+    skipped_ += static_cast<std::uint64_t>(iteration - arrived_newest_[p] - 1);
+    arrived_newest_[p] = iteration;
+    const std::span<float> pending = pending_part(p);
+    codec_.decode(message.subspan(header_bytes), pending,
+                  pending_newest_[p] < 0 ? DecodeMode::overwrite : DecodeMode::add);
+    pending_newest_[p] = iteration;
+    pending_contributors_[p] = contributors;
+    if (!(contributors >> group_.rank & 1)) return;  // this worker's own gradient of t is not in it
+    OwnEntry& own = own_entry(t, p);
+    if (own.iteration == iteration && own.state == Own::stood_in) {
+      const std::span<const float> stand_in = stand_in_part(t, p);
+      for (std::size_t e = 0; e < pending.size(); ++e) pending[e] -= stand_in[e];
+      own.state = Own::settled;
+    } else if (own.iteration < iteration) {
+      own = {.iteration = iteration, .state = Own::in_global};
     }
   }
 
@@ -763,29 +820,30 @@ class Synchronizer final : private transport::CompletionSink {
       if (w != group_.rank) take(w);
     const auto divisor = static_cast<float>(quorum_);
     for (float& v : sum_) v /= divisor;
-    // A slot no reply reads and that is not the newest: there are N + 2, and at most N replies
-    // are in flight.
+    // The oldest slot no reply reads: at most N replies are in flight, and there are more slots.
     GlobalSlot* global = nullptr;
     for (auto& g : globals_)
-      if (g.readers == 0 && &g != newest_global_) global = &g;
+      if (g.readers == 0 && (!global || (global->filled && (!g.filled || g.iteration < global->iteration)))) global = &g;
     const std::span<std::byte> out = whole(global->bytes);
     std::memcpy(out.data(), &t, 8);
     std::memcpy(out.data() + 8, &used, 8);
     global->size = header_bytes + codec_.encode(std::span<const float>(sum_), global_state_, out.subspan(header_bytes));
     global->iteration = t;
-    newest_global_ = global;
+    global->filled = true;
     std::fill_n(arrived_.begin() + static_cast<std::ptrdiff_t>(base), n_, std::uint8_t{0});
     arrivals_[t % window_] = 0;
     closed_ = static_cast<std::int64_t>(t);
   }
 
-  // Answers worker w's parked pull with the newest global gradient, if that is new enough and no
-  // earlier reply to w is still on its way.
+  // Answers worker w's parked pull with the oldest global gradient kept of the iterations it asks
+  // for, once there is one and no earlier reply to w is still on its way.
   void answer_pull(int w) {
-    if (dead_[w] || parked_[w] == nothing || !newest_global_ || newest_global_->iteration < parked_[w] || reply_from_[w] >= 0 ||
-        posted_[index(reply_sent, w)])
-      return;
-    GlobalSlot& g = *newest_global_;
+    if (dead_[w] || parked_[w] == nothing || reply_from_[w] >= 0 || posted_[index(reply_sent, w)]) return;
+    GlobalSlot* next = nullptr;
+    for (auto& g : globals_)
+      if (g.filled && g.iteration >= parked_[w] && (!next || g.iteration < next->iteration)) next = &g;
+    if (!next) return;
+    GlobalSlot& g = *next;
     parked_[w] = nothing;
     ++g.readers;
     reply_from_[w] = static_cast<int>(&g - globals_.data());
@@ -909,10 +967,18 @@ class Synchronizer final : private transport::CompletionSink {
   std::vector<detail::TransportBuffer<X>> push_bytes_;
   std::vector<typename C::State> push_states_;
   std::vector<std::uint64_t> pushes_encoded_;
-  std::array<std::vector<PullSlot>, 2> pull_slots_;
+  std::vector<std::uint64_t> pushes_sent_;  // per part: push messages sent (their sequence numbers)
+  std::vector<detail::TransportBuffer<X>> reply_bytes_;  // per part: where the pulled global gradient lands
   std::vector<std::uint64_t> pull_min_, pulls_sent_;
   std::vector<std::uint8_t> pull_outstanding_;
-  std::vector<std::int64_t> applied_;  // per part: the iteration last applied, -1 none
+  std::vector<std::int64_t> arrived_newest_;  // per part: the newest global gradient come, -1 none
+  std::vector<float> pending_flat_;  // per part: the global gradients come since the last wait(), summed
+  std::vector<std::int64_t> pending_newest_;  // per part: the newest of those, -1 none
+  std::vector<std::uint64_t> pending_contributors_;  // per part: its contributors
+  std::vector<std::int64_t> applied_;  // per part: the newest global gradient applied, -1 none
+  std::vector<OwnEntry> own_;     // (staleness + 1) x N
+  std::vector<float> stand_ins_;  // (staleness + 1) x the flat gradient: the stand-ins applied
+  std::uint64_t skipped_ = 0;
 
   // Server of part group_.rank.
   std::vector<detail::TransportBuffer<X>> received_pushes_;
@@ -926,7 +992,6 @@ class Synchronizer final : private transport::CompletionSink {
   std::vector<float> sum_;
   typename C::State global_state_{};
   std::vector<GlobalSlot> globals_;
-  GlobalSlot* newest_global_ = nullptr;
   std::int64_t closed_ = -1;
   std::uint64_t dropped_ = 0;
   std::uint64_t sent_ = 0, sent_reported_ = 0;  // bytes this rank has sent, and as of the last wait()
