@@ -273,10 +273,16 @@ TEST_SUITE("async") {
     }
   }
 
-  TEST_CASE("options that do not fit are refused; a gradient marked ready twice is named") {
+  TEST_CASE("options and codec settings that do not fit are refused; a gradient marked ready twice is named") {
     auto world = InProcess::create_world(2);
     CHECK_THROWS_AS(AsyncSync(std::move(world[0]), {.quorum = 3}), Error);
     CHECK_THROWS_AS(AsyncSync(std::move(world[1]), {.staleness = -1}), Error);
+    // The codec's settings are checked as the Synchronizer checks them.
+    auto more = InProcess::create_world(2);
+    using TwoBitSync = async::Synchronizer<compression::TwoBit, InProcess>;
+    CHECK_THROWS_WITH_AS(TwoBitSync(std::move(more[0]), {}, compression::TwoBit{.threshold = -0.5f}),
+                         doctest::Contains("threshold"), Error);
+    CHECK_THROWS_WITH_AS(AsyncSync(std::move(more[1]), {.timeout = 0s}), doctest::Contains("timeout"), Error);
     std::vector<float> gradient(10, 1.0f);
     AsyncSync alone(std::move(InProcess::create_world(1)[0]), {.timeout = 5s});
     alone.add("w", gradient);

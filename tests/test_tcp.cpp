@@ -238,6 +238,86 @@ TEST_SUITE("tcp") {
     }
   }
 
+  TEST_CASE("a stopped peer (SIGSTOP) fails the others within the liveness bound, naming it") {
+    int pid_pipe[2];
+    REQUIRE(::pipe(pid_pipe) == 0);
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(3, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, 3, port);
+      o.liveness = 1s;
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(Tcp(o), {.timeout = 60s});
+      std::vector<float> a(100000, 1.0f);
+      sync.add("a", view(a));
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        if (rank == 2 && iteration == 1) {
+          const pid_t self = ::getpid();
+          (void)!::write(pid_pipe[1], &self, sizeof self);
+          ::raise(SIGSTOP);  // silent from now on: no close, no reset; its kernel still acknowledges
+        }
+        sync.ready(0);
+        try {
+          sync.wait();
+        } catch (const Error&) {
+          if (rank == 0) {  // the stopped rank would otherwise wait for the test's deadline
+            pid_t stopped = 0;
+            if (::read(pid_pipe[0], &stopped, sizeof stopped) == sizeof stopped) ::kill(stopped, SIGKILL);
+          }
+          throw;
+        }
+      }
+      return "ok";
+    });
+    ::close(pid_pipe[0]);
+    ::close(pid_pipe[1]);
+    CHECK(results[2].signalled());
+    for (int r : {0, 1}) {
+      CAPTURE(results[static_cast<std::size_t>(r)].report);
+      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+      // peer_failed from the liveness check, not the 60 s operation timeout.
+      CHECK(contains(results[static_cast<std::size_t>(r)].report, "error peer failed"));
+    }
+    // Rank 1 waits on rank 2 directly (its left neighbour in the ring); rank 0 may hear of it
+    // from rank 1's abort instead.
+    CHECK(contains(results[1].report, "heard nothing from rank 2"));
+  }
+
+  TEST_CASE("no false alarm: idle peers, a frame waiting for its receive, and a transfer longer than the bound") {
+    const std::uint16_t port = test::free_port();
+    constexpr std::size_t bytes = std::size_t{256} << 20;
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, 2, port);
+      o.liveness = 300ms;
+      Tcp t(o);
+      std::vector<std::byte> buffer(bytes, std::byte{rank == 0 ? std::byte{0x5a} : std::byte{0}});
+      Tcp::Request r;
+      const auto deadline = [] { return std::chrono::steady_clock::now() + 60s; };
+      if (rank == 0) {
+        std::this_thread::sleep_for(1s);  // "computing" while rank 1 waits in recv: heartbeats only
+        t.send(r, 1, 1, buffer);
+        t.wait(r, deadline());
+        std::this_thread::sleep_for(1s);  // rank 1's next frame parks here meanwhile
+        t.recv(r, 1, 2, std::span(buffer).first(16));
+        t.wait(r, deadline());
+        t.recv(r, 1, 3, std::span(buffer).first(16));  // rank 1 sends it after a long pause of its own
+        t.wait(r, deadline());
+      } else {
+        t.recv(r, 0, 1, buffer);
+        t.wait(r, deadline());
+        if (buffer.back() != std::byte{0x5a}) return "wrong bytes";
+        t.send(r, 0, 2, std::span(buffer).first(16));
+        t.wait(r, deadline());
+        std::this_thread::sleep_for(1500ms);
+        t.send(r, 0, 3, std::span(buffer).first(16));
+        t.wait(r, deadline());
+      }
+      return "ok";
+    });
+    for (const auto& result : results) {
+      CAPTURE(result.report);
+      CHECK(result.ok());
+    }
+  }
+
   TEST_CASE("wait() with a gradient never marked ready: every process learns which, and from whom") {
     // A 5-minute timeout: the others must learn from rank 1's abort notice, not from a deadline.
     // "layer.a" is big enough that pieces are on the wire when rank 1 gives up.

@@ -91,6 +91,7 @@
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/aligned_buffer.hpp"
+#include "gradsync/detail/settings.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/error.hpp"
@@ -139,6 +140,9 @@ class Synchronizer final : private transport::CompletionSink {
                               options_.staleness, options_.quorum, n_, options_.period));
     if (n_ > 64)
       throw Error(ErrorKind::unsupported, here("options"), fmt::format("{} workers; contributor masks hold 64", n_));
+    detail::check_setting(options_.timeout.count() > 0, "async::Options", "timeout",
+                          fmt::format("{} ms", options_.timeout.count()), "more than 0 ms");
+    detail::validate_policy(codec_);
   }
 
   Synchronizer(const Synchronizer&) = delete;

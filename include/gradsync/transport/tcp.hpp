@@ -56,6 +56,12 @@ struct TcpOptions {
   std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
   // TCP congestion control for this job's sockets ("cubic", "bbr", ...); empty: the system's.
   std::string congestion_control{};
+  // A peer this rank has heard nothing from for this long fails every operation with it
+  // (peer_failed), whatever their own deadlines: a process stopped or a machine or link lost
+  // without a connection closing. Each rank sends a heartbeat when it has sent a peer nothing for
+  // a quarter of it. Bytes of a long message count as heard; the clock stands until a peer's first
+  // frame and while a frame of the peer waits for its receive (its socket is not read). 0: off.
+  std::chrono::milliseconds liveness = std::chrono::seconds(10);
   LogSink log = log_to_stderr;  // where setup reports the connections it refuses (log.hpp)
 };
 
@@ -94,8 +100,8 @@ class Tcp {
   explicit Tcp(const TcpOptions& options);
 
   // Options from the launcher's environment (launch/environment.hpp), plus GRADSYNC_LISTEN_ADDR,
-  // GRADSYNC_CONNECTIONS_PER_PEER, GRADSYNC_EXPRESS_LANE_BYTES, GRADSYNC_SETUP_TIMEOUT_S and
-  // GRADSYNC_TCP_CONGESTION where set.
+  // GRADSYNC_CONNECTIONS_PER_PEER, GRADSYNC_EXPRESS_LANE_BYTES, GRADSYNC_SETUP_TIMEOUT_S,
+  // GRADSYNC_LIVENESS_MS and GRADSYNC_TCP_CONGESTION where set.
   static TcpOptions options_from_env();
   static Tcp from_env() { return Tcp(options_from_env()); }
 

@@ -6,6 +6,12 @@
 
 #include "transport/tcp/engine.hpp"
 
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
+
+#include <algorithm>
+#include <thread>
+
 #include <boost/asio.hpp>
 #include <fmt/format.h>
 
@@ -29,27 +35,61 @@ void count(TcpTraffic::Count& c, std::uint64_t bytes) {
 // longer than this.
 constexpr auto abort_linger = std::chrono::seconds(1);
 
+// A payload is read in pieces of this size, each one proof that its sender is alive.
+constexpr std::uint64_t payload_piece_bytes = std::uint64_t{1} << 20;
+
+// How long the destructor waits for its sockets' unsent bytes to leave before closing them.
+constexpr auto close_linger = std::chrono::seconds(2);
+
 }  // namespace
 
 TcpEngine::TcpEngine(const TcpOptions& options) : options_(options), peers_(static_cast<std::size_t>(options.world_size)) {
   auto sockets = connect_job(io_, options_);
   const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
-  for (std::size_t peer = 0; peer < peers_.size(); ++peer)
+  const auto now = Clock::now();
+  for (std::size_t peer = 0; peer < peers_.size(); ++peer) {
+    Peer& p = peers_[peer];
     for (auto& s : sockets[peer]) {
-      auto& connections = peers_[peer].connections;
-      const bool express = connections.size() == data_sockets;  // the one after the data sockets
-      connections.push_back(std::make_unique<Connection>(std::move(s), static_cast<int>(peer), express));
-      read_header(*connections.back());
+      const bool express = p.connections.size() == data_sockets;  // the one after the data sockets
+      p.connections.push_back(std::make_unique<Connection>(std::move(s), static_cast<int>(peer), express));
+      read_header(*p.connections.back());
     }
+    if (!p.connections.empty()) p.beat = p.connections.back().get();  // the express lane, or the last data socket
+    p.heard = p.said = now;
+  }
   work_.emplace(asio::make_work_guard(io_));
   io_.restart();
+  if (options_.liveness.count() > 0) {
+    liveness_timer_.emplace(io_);
+    arm_liveness();
+  }
   io_thread_ = std::thread([this] { io_.run(); });
 }
 
+// Closes once what this rank sent has left its sockets (or after close_linger): a peer still
+// reading may send a heartbeat meanwhile, and a socket closed with data unsent would answer it
+// with a reset that drops that data.
 TcpEngine::~TcpEngine() {
   work_.reset();
-  asio::post(io_, [this] { close_all(); });
+  asio::post(io_, [this] {
+    const auto give_up = Clock::now() + close_linger;
+    while (Clock::now() < give_up && !all_sent()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    close_all();
+  });
   io_thread_.join();
+}
+
+// Whether the kernel has nothing left to send on the sockets of peers still in good standing.
+bool TcpEngine::all_sent() {
+  std::lock_guard lock(mutex_);
+  for (const auto& p : peers_) {
+    if (p.failure) continue;
+    for (const auto& c : p.connections) {
+      int unsent = 0;
+      if (c->socket.is_open() && ::ioctl(c->socket.native_handle(), SIOCOUTQ, &unsent) == 0 && unsent > 0) return false;
+    }
+  }
+  return true;
 }
 
 TcpTraffic TcpEngine::traffic() {
@@ -206,6 +246,7 @@ void TcpEngine::write_next(Connection& c) {
       c.writing = false;
       return;
     }
+    peers_[static_cast<std::size_t>(c.peer)].said = Clock::now();
   }
   c.out_header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::data, r->tag_, r->size_});
   const std::array<asio::const_buffer, 2> buffers{asio::buffer(c.out_header), asio::buffer(r->source_, r->size_)};
@@ -232,6 +273,15 @@ void TcpEngine::read_header(Connection& c) {
     const auto header = tcp_wire::decode_header(c.in_header, why);
     if (!header) return fail_peer(peer, protocol_error(options_.rank, peer, why));
     if (header->type == tcp_wire::FrameType::abort) return read_abort_reason(c, header->length);
+    if (header->type == tcp_wire::FrameType::heartbeat && header->length == 0) {
+      {
+        std::lock_guard lock(mutex_);
+        Peer& p = peers_[static_cast<std::size_t>(peer)];
+        p.heard = Clock::now();
+        p.spoke = true;
+      }
+      return read_header(c);
+    }
     if (header->type != tcp_wire::FrameType::data)
       return fail_peer(peer, protocol_error(options_.rank, peer,
                                             fmt::format("unexpected frame type {} after setup", int(header->type))));
@@ -242,6 +292,8 @@ void TcpEngine::read_header(Connection& c) {
     std::lock_guard lock(mutex_);
     Peer& p = peers_[static_cast<std::size_t>(peer)];
     if (p.failure) return;
+    p.heard = Clock::now();
+    p.spoke = true;
     count(c.express ? traffic_.express_received : traffic_.data_received, header->length);
     c.parked = header;
     if (Request* r = p.receives.take_if([&](const Request* q) { return q->tag_ == header->tag; })) start_payload(c, *r);
@@ -253,6 +305,7 @@ void TcpEngine::read_header(Connection& c) {
 void TcpEngine::start_payload(Connection& c, Request& r) {
   const tcp_wire::FrameHeader header = *c.parked;
   c.parked.reset();
+  peers_[static_cast<std::size_t>(c.peer)].heard = Clock::now();  // its clock stood while the socket was not read
   if (header.length > r.size_) {
     const Error e = protocol_error(options_.rank, r.peer_,
                                    fmt::format("message of {} bytes (tag {:#x}) does not fit the {}-byte receive",
@@ -263,28 +316,99 @@ void TcpEngine::start_payload(Connection& c, Request& r) {
     return;
   }
   c.receiving = &r;
-  asio::post(io_, [this, &c, length = header.length] { read_payload(c, length); });
+  asio::post(io_, [this, &c, length = header.length] { read_payload(c, length, 0); });
 }
 
-// Reads the payload of `length` bytes into the receive bound to `c`, then the next header.
-void TcpEngine::read_payload(Connection& c, std::uint64_t length) {
+// Reads the payload of `length` bytes into the receive bound to `c`, from byte `done` on, piece by
+// piece (each one counts as hearing from the peer), then the next header.
+void TcpEngine::read_payload(Connection& c, std::uint64_t length, std::uint64_t done) {
   Request* target;
   {
     std::lock_guard lock(mutex_);
     target = c.receiving;
   }
   if (!target) return;  // failed meanwhile
-  asio::async_read(c.socket, asio::buffer(target->destination_, length),
-                   [this, &c, target, length](const error_code& ec, std::size_t) {
+  const std::uint64_t piece = std::min(length - done, payload_piece_bytes);
+  asio::async_read(c.socket, asio::buffer(target->destination_ + done, piece),
+                   [this, &c, target, length, done = done + piece](const error_code& ec, std::size_t) {
                      if (ec) return connection_broke(c.peer, ec);
                      {
                        std::lock_guard lock(mutex_);
                        if (c.receiving != target) return;  // failed and handed back meanwhile
+                       peers_[static_cast<std::size_t>(c.peer)].heard = Clock::now();
+                       if (done < length) {
+                         asio::post(io_, [this, &c, length, done] { read_payload(c, length, done); });
+                         return;
+                       }
                        c.receiving = nullptr;
                        finish(*target, length);
                      }
                      read_header(c);
                    });
+}
+
+// ---- liveness, on the io thread -----------------------------------------------------------------
+
+void TcpEngine::arm_liveness() {
+  liveness_timer_->expires_after(std::max(options_.liveness / 4, std::chrono::milliseconds(1)));
+  liveness_timer_->async_wait([this](const error_code& ec) {
+    if (!ec && !closed_) check_liveness();
+  });
+}
+
+// Every quarter of the bound: a heartbeat to each peer sent nothing for that long, and a failure
+// for each peer heard nothing from for longer than the bound.
+//
+// A socket holding a frame that waits for its receive is not read, so what the peer sends behind
+// that frame (heartbeats too) is not heard: while any of the peer's sockets is parked its clock
+// stands. A heartbeat goes on the express lane, or any socket not busy writing, but never on one
+// the peer has closed. (Reaching a peer that has closed its socket makes the peer's kernel reset
+// the connection and drop what it had not sent yet; that is why the engine closes only once its
+// own sockets have nothing left to send, see the destructor.)
+void TcpEngine::check_liveness() {
+  const auto now = Clock::now();
+  std::vector<std::pair<int, Clock::duration>> silent;
+  {
+    std::lock_guard lock(mutex_);
+    if (aborted_) return;
+    for (std::size_t peer = 0; peer < peers_.size(); ++peer) {
+      Peer& p = peers_[peer];
+      if (!p.beat || p.failure) continue;
+      if (now - p.said >= options_.liveness / 4) {
+        Connection* quiet = p.beat;  // the express lane first, else any idle socket
+        if (quiet->writing || quiet->closed) quiet = nullptr;
+        for (auto& c : p.connections)
+          if (!quiet && !c->writing && !c->closed) quiet = c.get();
+        if (quiet) {
+          quiet->writing = quiet->beating = true;
+          p.said = now;
+          asio::post(io_, [this, quiet] { write_heartbeat(*quiet); });
+        }
+      }
+      if (!p.spoke || std::any_of(p.connections.begin(), p.connections.end(),
+                                  [](const auto& c) { return c->parked.has_value(); }))
+        p.heard = now;
+      else if (now - p.heard > options_.liveness)
+        silent.emplace_back(static_cast<int>(peer), now - p.heard);
+    }
+  }
+  for (const auto& [peer, quiet] : silent)
+    fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "liveness"),
+                          fmt::format("heard nothing from rank {} for {} ms (the bound is {} ms): its process stopped, or "
+                                      "its machine or the link to it is down",
+                                      peer, std::chrono::duration_cast<std::chrono::milliseconds>(quiet).count(),
+                                      options_.liveness.count())));
+  arm_liveness();
+}
+
+void TcpEngine::write_heartbeat(Connection& c) {
+  c.out_header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::heartbeat, 0, 0});
+  asio::async_write(c.socket, asio::buffer(c.out_header), [this, &c](const error_code& ec, std::size_t) {
+    c.beating = false;
+    if (c.notice_after_frame) return ec ? abort_notice_done() : write_abort_notice(c);
+    if (ec) return connection_broke(c.peer, ec);
+    write_next(c);
+  });
 }
 
 void TcpEngine::read_abort_reason(Connection& c, std::uint64_t length) {
@@ -372,7 +496,7 @@ void TcpEngine::begin_abort() {
       for (auto& c : p.connections) {
         if (!c->socket.is_open()) continue;
         ++notices_due_;
-        if (c->sending)
+        if (c->sending || c->beating)
           c->notice_after_frame = true;
         else
           between_frames.push_back(c.get());
@@ -403,20 +527,11 @@ void TcpEngine::abort_notice_done() {
 }
 
 // Closes every socket, which ends every operation still reading or writing a caller's buffer, and
-// lets abort() return. Once only: the last notice and the deadline may both call it. What peers
-// sent that nobody read is discarded first: closing a socket with unread data makes the kernel
-// reset the connection and drop what it had not sent yet, the notice included.
+// lets abort() return. Once only: the last notice and the deadline may both call it.
 void TcpEngine::finish_abort() {
   if (!abort_done_) return;
   notices_due_ = 0;
   if (abort_deadline_) abort_deadline_->cancel();
-  std::array<std::byte, 64 << 10> unread;
-  for (auto& p : peers_)
-    for (auto& c : p.connections) {
-      error_code ec;
-      c->socket.non_blocking(true, ec);
-      while (!ec) c->socket.read_some(asio::buffer(unread), ec);
-    }
   close_all();
   abort_done_->set_value();
   abort_done_.reset();
@@ -429,7 +544,19 @@ void TcpEngine::close_sockets(Peer& p) {
   }
 }
 
+// What peers sent that nobody read is discarded first: closing a socket with unread data (a frame
+// never asked for, heartbeats behind it) makes the kernel reset the connection and drop what it had
+// not sent yet, an abort notice or the last message to a peer still reading.
 void TcpEngine::close_all() {
+  closed_ = true;
+  if (liveness_timer_) liveness_timer_->cancel();
+  std::array<std::byte, 64 << 10> unread;
+  for (auto& p : peers_)
+    for (auto& c : p.connections) {
+      error_code ec;
+      c->socket.non_blocking(true, ec);
+      while (!ec) c->socket.read_some(asio::buffer(unread), ec);
+    }
   for (auto& p : peers_) close_sockets(p);
 }
 

@@ -43,6 +43,7 @@ struct Connection {
   gradsync::detail::IntrusiveQueue<Request> queue;  // sends waiting for this socket
   bool writing = false;
   Request* sending = nullptr;
+  bool beating = false;  // a heartbeat frame is being written (writing is set too)
   std::array<std::byte, tcp_wire::header_bytes> out_header{};
 
   std::array<std::byte, tcp_wire::header_bytes> in_header{};
@@ -58,6 +59,13 @@ struct Peer {
   gradsync::detail::IntrusiveQueue<Request> receives;   // posted, not yet matched to a frame
   std::size_t next_connection = 0;
   std::optional<Error> failure;  // set once: every later operation with this peer throws it
+  // Liveness (TcpOptions::liveness): when a byte last came from the peer, and when a frame to it
+  // last started; heartbeats go on `beat`, the express lane if there is one. A peer is watched
+  // only once a frame has come from it: until its own setup is over (it may wait for slower
+  // ranks) it sends no heartbeats.
+  std::chrono::steady_clock::time_point heard, said;
+  bool spoke = false;
+  Connection* beat = nullptr;
 };
 
 class TcpEngine {
@@ -92,8 +100,13 @@ class TcpEngine {
   void write_next(Connection& c);
   void read_header(Connection& c);
   void start_payload(Connection& c, Request& r);
-  void read_payload(Connection& c, std::uint64_t length);
+  void read_payload(Connection& c, std::uint64_t length, std::uint64_t done);
   void read_abort_reason(Connection& c, std::uint64_t length);
+
+  // Liveness, on the io thread.
+  void arm_liveness();
+  void check_liveness();
+  void write_heartbeat(Connection& c);
 
   // Failures, on the io thread.
   void closed_between_frames(Connection& c);
@@ -107,6 +120,7 @@ class TcpEngine {
   void finish_abort();
   void close_sockets(Peer& p);
   void close_all();
+  bool all_sent();
 
   TcpOptions options_;
   boost::asio::io_context io_;
@@ -124,6 +138,8 @@ class TcpEngine {
   std::size_t notices_due_ = 0;
   std::optional<boost::asio::steady_timer> abort_deadline_;
   std::shared_ptr<std::promise<void>> abort_done_;
+  std::optional<boost::asio::steady_timer> liveness_timer_;  // on the io thread only
+  bool closed_ = false;                                      // close_all() has run
   TcpTraffic traffic_;                       // guarded by mutex_
   std::thread io_thread_;
 };

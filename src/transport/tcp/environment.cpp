@@ -25,6 +25,7 @@ TcpOptions Tcp::options_from_env() {
   if (const auto c = launch::number_setting("GRADSYNC_CONNECTIONS_PER_PEER", 1, 64)) o.connections_per_peer = static_cast<int>(*c);
   if (const auto b = launch::number_setting("GRADSYNC_EXPRESS_LANE_BYTES", 0, 1L << 30)) o.express_lane_bytes = static_cast<std::size_t>(*b);
   if (const auto t = launch::number_setting("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
+  if (const auto l = launch::number_setting("GRADSYNC_LIVENESS_MS", 0, 86400000)) o.liveness = std::chrono::milliseconds(*l);
   if (const auto cc = launch::process_environment("GRADSYNC_TCP_CONGESTION")) o.congestion_control = *cc;
   return o;
 }

@@ -85,7 +85,7 @@ std::optional<FrameHeader> decode_header(std::span<const std::byte, header_bytes
     return std::nullopt;
   }
   const auto type = static_cast<std::uint8_t>(bytes[4]);
-  if (type < 1 || type > 4) {
+  if (type < 1 || type > 5) {
     why = fmt::format("unknown frame type {}", type);
     return std::nullopt;
   }

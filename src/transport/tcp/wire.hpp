@@ -1,5 +1,5 @@
 #pragma once
-// The TCP transport's wire format, version 2. All integers are little-endian.
+// The TCP transport's wire format, version 3. All integers are little-endian.
 //
 // Connection setup, both directions, initiator first:
 //   hello  (36 bytes)  magic "GSYN" | u16 version | u16 sockets per peer | u32 rank | u32 world size
@@ -7,14 +7,16 @@
 //   proof  (32 bytes)  HMAC-SHA-256(token, "gradsync proof v1" | own hello | peer's hello)
 // A side whose peer's hello has another magic, version, world size or number of sockets per peer,
 // or whose proof does not verify, closes the connection; the peer sees the same facts and reports
-// them itself. (Version 2 added the socket count, where version 1 had a reserved field.)
+// them itself. (Version 2 added the socket count, where version 1 had a reserved field; version 3
+// the heartbeat frame.)
 //
 // After setup, frames:
 //   header (24 bytes)  magic "GSYN" | u8 type | 3 bytes reserved (0) | u64 tag | u64 payload length
 //   payload            `length` bytes
 // Types: data (1) carries a message; abort (2) carries a UTF-8 reason of at most 4096 bytes from
 // a rank that is giving up; address (3) and table (4) carry the rendezvous text: "host port" of
-// one rank, or of every rank one per line in rank order.
+// one rank, or of every rank one per line in rank order; heartbeat (5), tag 0 and no payload, says
+// the sender is alive when it has had nothing else to send for a while.
 
 #include <array>
 #include <cstddef>
@@ -27,7 +29,7 @@
 namespace gradsync::transport::tcp_wire {
 
 inline constexpr std::array<std::byte, 4> magic{std::byte{'G'}, std::byte{'S'}, std::byte{'Y'}, std::byte{'N'}};
-inline constexpr std::uint16_t version = 2;
+inline constexpr std::uint16_t version = 3;
 inline constexpr std::size_t hello_bytes = 36;
 inline constexpr std::size_t proof_bytes = 32;
 inline constexpr std::size_t header_bytes = 24;
@@ -43,7 +45,7 @@ struct Hello {
   std::array<std::byte, 16> nonce{};
 };
 
-enum class FrameType : std::uint8_t { data = 1, abort = 2, address = 3, table = 4 };
+enum class FrameType : std::uint8_t { data = 1, abort = 2, address = 3, table = 4, heartbeat = 5 };
 
 struct FrameHeader {
   FrameType type = FrameType::data;
