@@ -138,6 +138,8 @@ TEST_SUITE("fmnist") {
           std::string::npos);
     write(images, {0, 0, 8}, false);
     CHECK(load_error(images, labels).find("is truncated: 3 bytes is too short") != std::string::npos);
+    write(images, idx_bytes(0x803, {2147483648u, 2147483648u, 4}, 0), false);  // 2^64 wraps to the 0 bytes it holds
+    CHECK(load_error(images, labels).find("dimensions multiply past 2^64") != std::string::npos);
     write(images, idx_bytes(0x803, {2, 2, 2}, 8), false);
     CHECK(load_error(images, labels).find("holds 2 images but") != std::string::npos);
     write(images, idx_bytes(0x803, {3, 2, 2}, 12), false);

@@ -48,7 +48,9 @@ std::vector<std::uint32_t> header(const std::vector<std::uint8_t>& b, const std:
   std::uint64_t elements = 1;
   for (std::size_t d = 0; d < dims; ++d) {
     out[d] = big_endian(b, 4 + 4 * d);
-    elements *= out[d];
+    // A product that wraps could match the file's size and pass for a small file.
+    if (__builtin_mul_overflow(elements, std::uint64_t{out[d]}, &elements))
+      throw DataError(fmt::format("{}: its header's dimensions multiply past 2^64 bytes of data", path));
   }
   if (b.size() != 4 + 4 * dims + elements)
     throw DataError(fmt::format("{} is truncated or padded: its header promises {} bytes of data, it holds {}", path,
