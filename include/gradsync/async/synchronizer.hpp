@@ -2,8 +2,9 @@
 // async::Synchronizer — a parameter server whose workers do not wait for each other (the fourth
 // source document): pushes and pulls run on a communication thread while the trainer computes,
 // each server forms an iteration's global gradient from the first M of the N workers' pushes, a
-// worker applies the newest global gradient it has not applied yet, never one more than
-// `staleness` iterations old, and every `period` iterations the workers' parameters are averaged.
+// worker applies every global gradient once as it comes (its own gradient standing in until then),
+// never more than `staleness` iterations behind, and every `period` iterations the workers'
+// parameters are averaged.
 //
 // Roles. Every rank is a worker and also serves one part of the flat gradient (the registered
 // gradients one after another, cut into N parts as topology::ParameterServer cuts a bucket:
