@@ -54,7 +54,6 @@ TcpEngine::TcpEngine(const TcpOptions& options) : options_(options), peers_(stat
       p.connections.push_back(std::make_unique<Connection>(std::move(s), static_cast<int>(peer), express));
       read_header(*p.connections.back());
     }
-    if (!p.connections.empty()) p.beat = p.connections.back().get();  // the express lane, or the last data socket
     p.heard = p.said = now;
   }
   work_.emplace(asio::make_work_guard(io_));
@@ -373,9 +372,9 @@ void TcpEngine::check_liveness() {
     if (aborted_) return;
     for (std::size_t peer = 0; peer < peers_.size(); ++peer) {
       Peer& p = peers_[peer];
-      if (!p.beat || p.failure) continue;
+      if (p.connections.empty() || p.failure) continue;
       if (now - p.said >= options_.liveness / 4) {
-        Connection* quiet = p.beat;  // the express lane first, else any idle socket
+        Connection* quiet = p.connections.back().get();  // the express lane first, else any idle socket
         if (quiet->writing || quiet->closed) quiet = nullptr;
         for (auto& c : p.connections)
           if (!quiet && !c->writing && !c->closed) quiet = c.get();

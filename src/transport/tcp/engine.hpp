@@ -60,12 +60,11 @@ struct Peer {
   std::size_t next_connection = 0;
   std::optional<Error> failure;  // set once: every later operation with this peer throws it
   // Liveness (TcpOptions::liveness): when a byte last came from the peer, and when a frame to it
-  // last started; heartbeats go on `beat`, the express lane if there is one. A peer is watched
-  // only once a frame has come from it: until its own setup is over (it may wait for slower
-  // ranks) it sends no heartbeats.
+  // last started; heartbeats go first on the last socket (the express lane, if there is one). A
+  // peer is watched only once a frame has come from it: until its own setup is over (it may wait
+  // for slower ranks) it sends no heartbeats.
   std::chrono::steady_clock::time_point heard, said;
   bool spoke = false;
-  Connection* beat = nullptr;
 };
 
 class TcpEngine {
