@@ -169,4 +169,83 @@ TEST_SUITE("groups") {
     });
     for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
   }
+  TEST_CASE("a peer channel carries tensors between two ranks, in order within each stream, and counts its bytes") {
+    const auto errors = test::run_ranks(3, [&](transport::InProcess& t) {
+      if (t.rank() == 1) return;  // the channel joins ranks 0 and 2 only
+      const int other = 2 - t.rank();
+      PeerChannel<transport::InProcess> pair(std::move(t), other, 10s, "test pair");
+      std::vector<float> a(100), b(7);
+      std::vector<double> c(3);
+      if (pair.rank() == 0) {
+        for (int k = 0; k < 3; ++k) {
+          std::iota(a.begin(), a.end(), static_cast<float>(k));
+          pair.send(std::span<const float>(a), 0);
+        }
+        std::fill(b.begin(), b.end(), 5.5f);
+        pair.send(std::span<const float>(b), 1);
+        pair.recv(std::span(c), 2);
+        CHECK(c == std::vector<double>{1.25, -2, 1e300});
+        CHECK(pair.bytes_sent() == 3 * 100 * sizeof(float) + 7 * sizeof(float));
+      } else {
+        for (int k = 0; k < 3; ++k) {
+          pair.recv(std::span(a), 0);
+          CHECK(a.front() == static_cast<float>(k));
+          CHECK(a.back() == static_cast<float>(k + 99));
+        }
+        pair.recv(std::span(b), 1);
+        CHECK(b == std::vector<float>(7, 5.5f));
+        c = {1.25, -2, 1e300};
+        pair.send(std::span<const double>(c), 2);
+      }
+    });
+    for (const auto& e : errors) CHECK_FALSE(e);
+  }
+
+  TEST_CASE("a peer channel's short message, silent peer or unknown stream is an Error naming rank, peer and stream") {
+    SUBCASE("a message shorter than the receive") {
+      const auto errors = test::run_ranks(2, [&](transport::InProcess& t) {
+        PeerChannel<transport::InProcess> pair(std::move(t), 1 - t.rank(), 10s, "test pair");
+        std::vector<float> values(pair.rank() == 0 ? 3 : 4);
+        if (pair.rank() == 0) return pair.send(std::span<const float>(values), 5);
+        pair.recv(std::span(values), 5);
+      });
+      REQUIRE(errors[1]);
+      CHECK(errors[1]->kind() == ErrorKind::protocol);
+      CHECK(errors[1]->context().peer == 0);
+      CHECK(contains(errors[1]->what(), "test pair recv of stream 5"));
+      CHECK(contains(errors[1]->what(), "12 bytes where 4 values of 4 bytes were expected"));
+    }
+    SUBCASE("a peer that never sends: a timeout, and the peer is told") {
+      const auto errors = test::run_ranks(2, [&](transport::InProcess& t) {
+        PeerChannel<transport::InProcess> pair(std::move(t), 1 - t.rank(), 200ms, "test pair");
+        std::vector<float> values(4);
+        pair.recv(std::span(values), pair.rank());  // each waits on a stream the other never sends
+      });
+      for (int r : {0, 1}) {
+        REQUIRE(errors[static_cast<std::size_t>(r)]);
+        const Error& e = *errors[static_cast<std::size_t>(r)];
+        // Either rank's timeout can come first; the other then learns of it through the abort.
+        CHECK((e.kind() == ErrorKind::timeout || e.kind() == ErrorKind::peer_failed));
+        CHECK(e.context().peer == 1 - r);
+      }
+      const bool some_timeout = errors[0]->kind() == ErrorKind::timeout || errors[1]->kind() == ErrorKind::timeout;
+      CHECK(some_timeout);
+    }
+    SUBCASE("misuse") {
+      auto world = transport::InProcess::create_world(2);
+      CHECK_THROWS_AS(PeerChannel<transport::InProcess>(std::move(world[0]), 0, 1s), Error);
+      world = transport::InProcess::create_world(2);
+      CHECK_THROWS_AS(PeerChannel<transport::InProcess>(std::move(world[0]), 2, 1s), Error);
+      world = transport::InProcess::create_world(2);
+      PeerChannel<transport::InProcess> pair(std::move(world[0]), 1, 1s);
+      std::vector<float> values(1);
+      try {
+        pair.send(std::span<const float>(values), PeerChannel<transport::InProcess>::max_streams);
+        FAIL("an unknown stream was accepted");
+      } catch (const Error& e) {
+        CHECK(e.kind() == ErrorKind::invalid_argument);
+        CHECK(contains(e.what(), "stream 16 is out of range"));
+      }
+    }
+  }
 }

@@ -466,6 +466,75 @@ TEST_SUITE("synchronizer") {
     check_averages(in, out, 0);
   }
 
+  TEST_CASE("updates run as each gradient is averaged give the parameters of updating after wait(), bit for bit") {
+    // Three steps of p -= 0.1 g on four tensors, buckets of one or two gradients, both executors.
+    constexpr std::size_t tensors = 4, count = 300;
+    const auto step = [&](bool on_averaged, Options options) {
+      std::vector<std::vector<std::vector<float>>> params(3);
+      const auto errors = test::run_ranks(3, [&](InProcess& t) {
+        const auto r = static_cast<std::size_t>(t.rank());
+        std::vector<std::vector<float>> p(tensors, std::vector<float>(count, 1.0f)), g(tensors, std::vector<float>(count));
+        FixedSizeSync sync(std::move(t), options, {.cap_bytes = 2 * count * sizeof(float), .first_cap_bytes = 4});
+        for (std::size_t i = 0; i < tensors; ++i) sync.add(fmt::format("t{}", i), view(g[i]));
+        const auto update = [&](GradId id) {
+          for (std::size_t e = 0; e < count; ++e) p[id][e] -= 0.1f * g[id][e];
+        };
+        std::vector<int> updated(tensors);
+        if (on_averaged)
+          sync.on_averaged([&](GradId id) {
+            ++updated[id];
+            update(id);
+          });
+        for (std::uint64_t iteration = 0; iteration < 3; ++iteration) {
+          for (std::size_t i = tensors; i-- > 0;) {
+            const std::vector<float> local = test::random_values(count, 100 * iteration + 10 * r + i);
+            std::copy(local.begin(), local.end(), g[i].begin());  // in place: the Synchronizer holds views
+            sync.ready(static_cast<GradId>(i));
+          }
+          sync.wait();
+          if (on_averaged) {
+            CHECK(updated == std::vector<int>(tensors, static_cast<int>(iteration + 1)));  // all done by wait()
+          } else {
+            for (std::size_t i = 0; i < tensors; ++i) update(static_cast<GradId>(i));
+          }
+        }
+        params[r] = p;
+      });
+      for (const auto& e : errors) REQUIRE_FALSE(e);
+      CHECK(params[1] == params[0]);
+      CHECK(params[2] == params[0]);
+      return params[0];
+    };
+    for (Executor executor : {Executor::serial, Executor::task_graph}) {
+      CAPTURE(static_cast<int>(executor));
+      const Options options{.executor = executor};
+      CHECK(step(true, options) == step(false, options));
+    }
+  }
+
+  TEST_CASE("an update that throws stops every rank, naming the gradient") {
+    const auto errors = test::run_ranks(3, [&](InProcess& t) {
+      std::vector<float> a(8), b(8);
+      PerTensorSync sync(std::move(t));
+      sync.add("a", view(a));
+      sync.add("layer.b", view(b));
+      const int rank = sync.rank();
+      sync.on_averaged([rank](GradId id) {
+        if (rank == 1 && id == 1) throw std::runtime_error("optimizer state missing");
+      });
+      sync.ready(1);
+      sync.ready(0);
+      sync.wait();
+      CHECK_THROWS_AS(sync.on_averaged({}), Error);
+    });
+    REQUIRE(errors[1]);
+    CHECK(errors[1]->kind() == ErrorKind::internal);
+    CHECK(std::string(errors[1]->what()).find(R"(the update of gradient "layer.b" (id 1) threw: optimizer state missing)") !=
+          std::string::npos);
+    for (int r : {0, 2})
+      if (errors[static_cast<std::size_t>(r)]) CHECK(errors[static_cast<std::size_t>(r)]->kind() == ErrorKind::peer_failed);
+  }
+
   TEST_CASE("every rank agrees on the plan rebuilt from rank 0's observed ready order") {
     const std::vector<Spec> specs{{"a", 16, DType::f32}, {"b", 16, DType::f32}, {"c", 16, DType::f32}, {"d", 16, DType::f32}};
     const bucketing::FixedSize policy{.cap_bytes = 128, .first_cap_bytes = 128};

@@ -77,11 +77,7 @@ void declare_options(CLI::App& app, Options& o) {
   tk::add_choice(app, "--optimizer", o.optimizer, "how the table's rows follow their gradients", {"sgd", "adagrad"});
   tk::add_number(app, "--dim", o.dim, "values per embedding row", {.low = 1});
   tk::add_number(app, "--rows", o.rows, "the table's capacity in rows (distinct keys)", {.low = 1});
-  app.add_option("--hidden", o.hidden, "the MLP's hidden layers' sizes, comma-separated")
-      ->capture_default_str()
-      ->delimiter(',')
-      ->allow_extra_args(false)
-      ->transform(tk::number<std::size_t>({.low = 1}));
+  tk::add_sizes(app, "--hidden", o.hidden, "the MLP's hidden layers' sizes");
   tk::add_choice(app, "--averaging", o.averaging, "what a row's summed gradient is divided by",
                  {"occurrence", "world-size", "none"});
   tk::add_choice(app, "--table", o.table,

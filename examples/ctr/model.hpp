@@ -33,8 +33,7 @@ class Model {
                    const std::uint8_t* labels, std::span<float> row_gradients, OnLayerReady&& layer_ready) {
     const std::size_t batch = offsets.size() - 1;
     pool(rows, offsets);
-    const float loss = dense_.train_step(pooled_.data(), labels, batch, layer_ready);
-    dense_.input_gradient(batch, pooled_gradient_.data());
+    const float loss = dense_.train_step(pooled_.data(), labels, batch, layer_ready, pooled_gradient_.data());
     spread(offsets, row_gradients);
     return loss;
   }

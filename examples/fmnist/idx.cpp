@@ -2,7 +2,10 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <numeric>
+#include <random>
 
 #include <fmt/format.h>
 
@@ -91,6 +94,12 @@ Dataset load_split(const std::string& directory, bool train) {
                                 stem, stem, directory));
   };
   return load_idx(find(fmt::format("{}-images-idx3-ubyte", prefix)), find(fmt::format("{}-labels-idx1-ubyte", prefix)));
+}
+
+void epoch_order(std::vector<std::size_t>& order, std::uint64_t seed, int epoch) {
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::mt19937_64 shuffle(seed * 1000003u + static_cast<std::uint64_t>(epoch));
+  std::shuffle(order.begin(), order.end(), shuffle);
 }
 
 }  // namespace fmnist

@@ -28,4 +28,8 @@ Dataset load_idx(const std::string& images_path, const std::string& labels_path)
 // directory or file names the Debian package that provides them.
 Dataset load_split(const std::string& directory, bool train);
 
+// The order in which every rank walks a training set of order.size() samples in epoch `epoch`:
+// a permutation drawn from `seed` and the epoch, the same on every rank.
+void epoch_order(std::vector<std::size_t>& order, std::uint64_t seed, int epoch);
+
 }  // namespace fmnist

@@ -12,8 +12,6 @@
 // With --topology parameter-server and any of --staleness, --quorum or --period the parameter
 // server is asynchronous (gradsync::async::Synchronizer); --slow-rank makes one rank a straggler.
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -29,6 +27,7 @@
 #include "toolkit/connect.hpp"
 #include "toolkit/json.hpp"
 #include "toolkit/options.hpp"
+#include "toolkit/progress.hpp"
 #include "toolkit/workers.hpp"
 #include "trainer.hpp"
 
@@ -62,11 +61,7 @@ std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
   tk::add_number(app, "--momentum", o.train.momentum, "momentum", {.low = 0, .high = 1, .high_open = true});
   tk::add_choice(app, "--bucketing", o.bucketing, "how gradients are grouped into buckets", tk::bucketing_names);
   tk::add_codec_options(app, o.codec, o.codec_settings);
-  app.add_option("--hidden", o.hidden, "the hidden layers' sizes, comma-separated")
-      ->capture_default_str()
-      ->delimiter(',')
-      ->allow_extra_args(false)
-      ->transform(tk::number<std::size_t>({.low = 1}));
+  tk::add_sizes(app, "--hidden", o.hidden, "the hidden layers' sizes");
   tk::add_number(app, "--steps", o.train.max_steps, "steps per epoch (0: the whole training set)");
   app.add_option("--data", o.data, "the directory of the Fashion-MNIST files")->capture_default_str();
   app.add_option("--json", o.json, "also write the results as JSON to this file");
@@ -84,23 +79,6 @@ std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
   tk::add_number(app, "--slow-factor", o.train.slow_factor, "how much slower --slow-rank computes", {.low = 1});
   app.footer("Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.");
   return asynchronous;
-}
-
-// A bar on a terminal; every tenth of the epoch as a line otherwise (gradsync-run, logs).
-fmnist::Progress progress_printer() {
-  const bool terminal = ::isatty(STDOUT_FILENO);
-  return [terminal, last_tenth = std::size_t{0}](int epoch, std::size_t step, std::size_t steps, double rate,
-                                                 double loss) mutable {
-    const std::size_t tenth = step * 10 / steps;
-    if (!terminal && tenth == last_tenth && step != steps) return;
-    last_tenth = step == steps ? 0 : tenth;
-    constexpr int width = 30;
-    const int filled = static_cast<int>(width * step / steps);
-    fmt::print("{}epoch {} [{}{}] {:>5}/{} steps  {:>7.0f} samples/s  loss {:.4f}{}", terminal ? "\r" : "", epoch,
-               std::string(static_cast<std::size_t>(filled), '#'), std::string(static_cast<std::size_t>(width - filled), '.'),
-               step, steps, rate, loss, terminal && step != steps ? "" : "\n");
-    std::fflush(stdout);
-  };
 }
 
 // Trains through `sync`, then prints and writes what rank 0 measured. `throughput` turns the
@@ -129,7 +107,7 @@ int train_and_report(const Options& o, Sync& sync, std::size_t workers, const st
                fmt::join(sizes, "-"), model.parameters(), gradient_bytes / 1e6, o.bucketing, codec, topology,
                o.train.learning_rate, o.train.momentum);
   auto reports = fmnist::train(sync, model, train_set, leader ? &test_set : nullptr, train,
-                               leader ? progress_printer() : fmnist::Progress{});
+                               leader ? tk::progress_printer() : fmnist::Progress{});
   throughput(reports);
   if (!leader) return 0;
   double seconds = 0, exposed = 0, samples = 0;

@@ -4,7 +4,11 @@
 #include <cmath>
 #include <random>
 
+#include "matrix.hpp"
+
 namespace fmnist {
+
+using namespace matrix;
 
 Mlp::Mlp(const std::vector<std::size_t>& sizes, std::uint64_t seed) {
   std::mt19937_64 gen(seed);
@@ -41,29 +45,19 @@ void Mlp::reserve(std::size_t batch) {
   reserved_batch_ = batch;
 }
 
-// y = x W + b for each sample, as axpys over W's rows (contiguous, vectorizable), skipping the
-// zero inputs that ReLU and blank pixels leave; ReLU on every layer but the last.
+// Y = X W + b, then ReLU on every layer but the last.
 void Mlp::forward(const float* x, std::size_t batch) {
   reserve(batch);
+  const auto rows = static_cast<Eigen::Index>(batch);
   const float* input = x;
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
-    float* output = activations_[l].data();
-    const bool relu = l + 1 < layers_.size();
-    for (std::size_t s = 0; s < batch; ++s) {
-      float* y = output + s * L.out;
-      std::copy(L.b.begin(), L.b.end(), y);
-      const float* xs = input + s * L.in;
-      for (std::size_t i = 0; i < L.in; ++i) {
-        const float a = xs[i];
-        if (a == 0.0f) continue;
-        const float* wi = L.w.data() + i * L.out;
-        for (std::size_t o = 0; o < L.out; ++o) y[o] += a * wi[o];
-      }
-      if (relu)
-        for (std::size_t o = 0; o < L.out; ++o) y[o] = std::max(y[o], 0.0f);
-    }
-    input = output;
+    const auto in = static_cast<Eigen::Index>(L.in), out = static_cast<Eigen::Index>(L.out);
+    Map y(activations_[l].data(), rows, out);
+    y.noalias() = ConstMap(input, rows, in) * ConstMap(L.w.data(), in, out);
+    y.rowwise() += ConstRowMap(L.b.data(), out);
+    if (l + 1 < layers_.size()) y = y.cwiseMax(0.0f);
+    input = activations_[l].data();
   }
 }
 
@@ -87,68 +81,33 @@ float Mlp::forward_loss(const float* x, const std::uint8_t* labels, std::size_t 
   return static_cast<float>(loss / static_cast<double>(batch));
 }
 
-// Gradients of layer l from its delta, then the delta of the layer below (through its ReLU).
-void Mlp::backward(std::size_t l, const float* x, std::size_t batch) {
+// dW = X^T D, db = the column sums of D; below = D W^T, zeroed where the ReLU below was flat.
+void Mlp::backward(std::size_t l, const float* x, std::size_t batch, float* below) {
   Layer& L = layers_[l];
-  const float* input = l == 0 ? x : activations_[l - 1].data();
-  const float* delta = deltas_[l].data();
-  std::fill(L.gw.begin(), L.gw.end(), 0.0f);
-  std::fill(L.gb.begin(), L.gb.end(), 0.0f);
-  for (std::size_t s = 0; s < batch; ++s) {
-    const float* d = delta + s * L.out;
-    for (std::size_t o = 0; o < L.out; ++o) L.gb[o] += d[o];
-    const float* xs = input + s * L.in;
-    for (std::size_t i = 0; i < L.in; ++i) {
-      const float a = xs[i];
-      if (a == 0.0f) continue;
-      float* g = L.gw.data() + i * L.out;
-      for (std::size_t o = 0; o < L.out; ++o) g[o] += a * d[o];
-    }
-  }
-  if (l == 0) return;
-  float* below = deltas_[l - 1].data();
-  for (std::size_t s = 0; s < batch; ++s) {
-    const float* d = delta + s * L.out;
-    const float* xs = input + s * L.in;
-    float* out = below + s * L.in;
-    for (std::size_t i = 0; i < L.in; ++i) {
-      if (xs[i] <= 0.0f) {  // ReLU was flat here
-        out[i] = 0.0f;
-        continue;
-      }
-      const float* wi = L.w.data() + i * L.out;
-      float acc = 0.0f;
-      for (std::size_t o = 0; o < L.out; ++o) acc += wi[o] * d[o];
-      out[i] = acc;
-    }
-  }
-}
-
-// Layer 0's delta, which its backward leaves in place, through its weights.
-void Mlp::input_gradient(std::size_t batch, float* dx) const {
-  const Layer& L = layers_.front();
-  const float* delta = deltas_.front().data();
-  for (std::size_t s = 0; s < batch; ++s) {
-    const float* d = delta + s * L.out;
-    for (std::size_t i = 0; i < L.in; ++i) {
-      const float* wi = L.w.data() + i * L.out;
-      float acc = 0.0f;
-      for (std::size_t o = 0; o < L.out; ++o) acc += wi[o] * d[o];
-      dx[s * L.in + i] = acc;
-    }
-  }
+  const auto rows = static_cast<Eigen::Index>(batch);
+  const auto in = static_cast<Eigen::Index>(L.in), out = static_cast<Eigen::Index>(L.out);
+  const ConstMap input(l == 0 ? x : activations_[l - 1].data(), rows, in);
+  const ConstMap delta(deltas_[l].data(), rows, out);
+  Map(L.gw.data(), in, out).noalias() = input.transpose() * delta;
+  RowMap(L.gb.data(), out) = delta.colwise().sum();
+  if (!below) return;
+  Map d(below, rows, in);
+  d.noalias() = delta * ConstMap(L.w.data(), in, out).transpose();
+  if (l > 0) d.array() = (input.array() > 0.0f).select(d.array(), 0.0f);
 }
 
 void Mlp::sgd_step(float learning_rate, float momentum) {
   for (Layer& L : layers_) {
-    for (std::size_t k = 0; k < L.w.size(); ++k) {
-      L.vw[k] = momentum * L.vw[k] + L.gw[k];
-      L.w[k] -= learning_rate * L.vw[k];
-    }
-    for (std::size_t k = 0; k < L.b.size(); ++k) {
-      L.vb[k] = momentum * L.vb[k] + L.gb[k];
-      L.b[k] -= learning_rate * L.vb[k];
-    }
+    sgd(L.w, L.vw, L.gw, learning_rate, momentum);
+    sgd(L.b, L.vb, L.gb, learning_rate, momentum);
+  }
+}
+
+void sgd(std::span<float> parameters, std::span<float> velocity, std::span<const float> gradient, float learning_rate,
+         float momentum) {
+  for (std::size_t k = 0; k < parameters.size(); ++k) {
+    velocity[k] = momentum * velocity[k] + gradient[k];
+    parameters[k] -= learning_rate * velocity[k];
   }
 }
 

@@ -17,8 +17,6 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
-#include <numeric>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -92,9 +90,7 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
   std::vector<std::uint8_t> y(cfg.batch);
   std::vector<EpochReport> reports;
   for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    std::mt19937_64 shuffle(cfg.seed * 1000003u + static_cast<std::uint64_t>(epoch));
-    std::shuffle(order.begin(), order.end(), shuffle);
+    epoch_order(order, cfg.seed, epoch);
     EpochReport report{.epoch = epoch, .steps = steps};
     double loss_sum = 0, local_parts = 0;
     std::chrono::steady_clock::duration computed{};

@@ -16,6 +16,7 @@
 #include "gradsync/compression/top_k.hpp"
 #include "gradsync/compression/two_bit.hpp"
 #include "gradsync/launch/environment.hpp"
+#include "gradsync/peer_channel.hpp"
 #include "gradsync/sparse/embedding_table.hpp"
 #include "gradsync/sparse/exchange.hpp"
 #include "gradsync/synchronizer.hpp"

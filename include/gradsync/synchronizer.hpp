@@ -12,6 +12,9 @@
 //               bucket completes; the serial executor runs it on this thread, bucket by bucket.
 //               All of it while backward goes on.
 //   wait()      returns once every bucket is done, and readies the next iteration.
+//   on_averaged(update), if set, runs each gradient's update (its layer's optimizer step) as soon as
+//               its bucket is averaged, on the synchronization side, so that a layer's parameters
+//               change while backward still runs on earlier layers; wait() then also waits for them.
 //
 // At the first synchronization the ranks exchange their layouts and policy settings, and stop
 // with an Error on every rank if anything differs. Plans proposed by the bucketing policy are
@@ -23,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -153,6 +157,22 @@ class Synchronizer {
     return static_cast<GradId>(layout_.size() - 1);
   }
 
+  // From now on `update(id)` runs as soon as gradient `id` holds the iteration's average, on the
+  // synchronization side (a task-graph compute thread, or the communication thread with the
+  // serial executor) while backward goes on; wait() returns once every update has run. It is the
+  // third source document's per-layer background update: pass the optimizer step for gradient
+  // `id`'s parameters. Because the update may run the moment ready(id) is called, backward must
+  // be done reading those parameters by then (compute the gradient for the layer below first).
+  // Updates of different buckets may run at once, on different threads; a gradient's own update
+  // runs once per iteration. An exception from it stops synchronization on every rank with
+  // Error(internal) naming the gradient. Call before the first ready() or wait().
+  void on_averaged(std::function<void(GradId)> update) {
+    if (frozen_.load())
+      throw Error(ErrorKind::invalid_argument, here("on_averaged"),
+                  "on_averaged() after the first ready() or wait(): set the update before synchronizing");
+    update_ = std::move(update);
+  }
+
   // Marks gradient `id` as holding this iteration's local value. Thread-safe; allocation-free.
   void ready(GradId id) {
     if (failed_.load(std::memory_order_acquire)) rethrow();
@@ -256,7 +276,7 @@ class Synchronizer {
       if (options_.executor == Executor::task_graph)
         engine_ = std::make_unique<engine::TaskGraph<C, X>>(
             transport_, codec_, group_, options_.compute_threads, options_.timeout,
-            typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { copy_back(b); },
+            typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },
                                                     .failed = [this] {
                                                       std::lock_guard lock(mutex_);
                                                       engine_failed_ = true;
@@ -429,7 +449,7 @@ class Synchronizer {
     return true;
   }
 
-  // Packs bucket `b` and runs it (serial) or starts it (task graph, which calls copy_back(b)).
+  // Packs bucket `b` and runs it (serial) or starts it (task graph, which calls finish_bucket(b)).
   template <class V>
   void synchronize_bucket(std::size_t b, std::span<V> values, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
@@ -443,8 +463,24 @@ class Synchronizer {
     tally(bucket.exchange.run(values, codec_, transport_,
                               {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout}));
     const auto started = std::chrono::steady_clock::now();
-    copy_back(b);
+    finish_bucket(b);
     stats_.compute += std::chrono::steady_clock::now() - started;
+  }
+
+  // Bucket `b` is averaged: its gradients get their values, then their updates run.
+  void finish_bucket(std::size_t b) {
+    copy_back(b);
+    if (!update_) return;
+    for (GradId id : plan_.buckets[b]) {
+      try {
+        update_(id);
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        throw Error(ErrorKind::internal, here("update", static_cast<std::uint32_t>(b)),
+                    fmt::format("the update of gradient {:?} (id {}) threw: {}", layout_[id].name, id, e.what()));
+      }
+    }
   }
 
   // Writes bucket `b`'s averages into its gradients (nothing to do for a bucket reduced in place).
@@ -564,6 +600,7 @@ class Synchronizer {
   Layout layout_;
   std::vector<TensorView> views_;
   std::vector<detail::HostStaging> staging_;  // by gradient id: for 16-bit device gradients
+  std::function<void(GradId)> update_;         // on_averaged()'s, if set
 
   std::once_flag freeze_once_;
   std::atomic<bool> frozen_{false};

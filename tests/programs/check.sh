@@ -122,6 +122,22 @@ case $name in
       --averaging world-size --json "$work/ctr.json"
     valid_json "$work/ctr.json" 'd["classes"] == ["games", "utils"] and len(d["epochs"]) == 2 and d["machine_trainers"] == 1 and d["machine_pss_bytes"] > 0 and d["table_bytes"] > 0'
     ;;
+  hybrid)
+    refuses --mode --mode pipeline
+    refuses --updates --updates never
+    refuses --epochs --epochs 0
+    refuses --batch --batch -1
+    refuses --lr --lr nan
+    refuses --momentum --momentum 1
+    refuses --channels --channels 8,0
+    refuses --hidden --hidden x
+    refuses --steps --steps -1
+    refuses --seed --seed x
+    # Accepted options get as far as reading the data (absent here).
+    message=$("$program" --data "$work/no-data" --mode data-parallel --updates after-wait --channels 4 --hidden 32 \
+      --batch 32 --lr 0.1 2>&1)
+    if [[ $message == *"$work/no-data"* ]]; then echo "accepted: got as far as the data"; else fail "hybrid: $message"; fi
+    ;;
   allreduce)
     refuses --ranks --ranks 4x
     refuses --ranks --ranks 0

@@ -36,6 +36,15 @@ CLI::Option* add_byte_size(CLI::App& app, const std::string& name, std::size_t& 
       ->transform(byte_size());
 }
 
+CLI::Option* add_sizes(CLI::App& app, const std::string& name, std::vector<std::size_t>& values,
+                       const std::string& description) {
+  return app.add_option(name, values, description + ", comma-separated")
+      ->capture_default_str()
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->transform(number<std::size_t>({.low = 1}));
+}
+
 CLI::Option* add_choice(CLI::App& app, const std::string& name, std::string& value, const std::string& description,
                         const std::vector<std::string>& choices) {
   return app.add_option(name, value, description)->capture_default_str()->check(CLI::IsMember(choices));

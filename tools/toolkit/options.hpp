@@ -87,6 +87,10 @@ CLI::Validator byte_size();
 CLI::Option* add_byte_size(CLI::App& app, const std::string& name, std::size_t& value, const std::string& description,
                            Bounds<std::size_t> bounds);
 
+// --name, a comma-separated list of sizes of at least 1 (layer widths, channel counts).
+CLI::Option* add_sizes(CLI::App& app, const std::string& name, std::vector<std::size_t>& values,
+                       const std::string& description);
+
 // --name, one of `choices`.
 CLI::Option* add_choice(CLI::App& app, const std::string& name, std::string& value, const std::string& description,
                         const std::vector<std::string>& choices);

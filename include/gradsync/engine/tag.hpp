@@ -16,6 +16,8 @@ inline constexpr std::uint32_t control_bucket = 0xffff;
 // The bucket id of sparse::SparseExchange's dense path, an allreduce beside the Synchronizer's.
 inline constexpr std::uint32_t sparse_bucket = 0xfffe;
 inline constexpr std::size_t max_buckets = sparse_bucket;  // bucket ids 0..0xfffd
+// How many streams a PeerChannel has: ids ControlMessage::peer_tensors + 0 .. + 15.
+inline constexpr std::uint32_t peer_tensor_streams = 16;
 
 constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, std::uint32_t message) noexcept {
   return ((iteration & 0xffffu) << 48) | (static_cast<std::uint64_t>(bucket & 0xffffu) << 32) | message;
@@ -32,6 +34,7 @@ enum class ControlMessage : std::uint32_t {
   embedding_table = 0x20000000u,  // where local rank 0 put the machine's embedding table (sparse/)
   sparse = 0x20000010u,        // a sparse exchange's messages: ids sparse + 0 .. sparse + 4 (sparse/exchange.hpp)
   async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 5 (async/synchronizer.hpp)
+  peer_tensors = 0x20000030u,  // PeerChannel's streams: ids + 0 .. + 15 (peer_channel.hpp)
   membership = 0x40000000u,    // whom each rank counts in its group, to every other member (raw text)
   coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
   coordinator_grant = 0x80000001u,   // coordinator -> rank
