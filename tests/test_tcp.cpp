@@ -4,9 +4,14 @@
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
+#include <sys/mman.h>
 
+#include <atomic>
 #include <cstring>
+#include <new>
 #include <mutex>
+
+#include <fmt/ranges.h>
 
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
@@ -410,6 +415,50 @@ TEST_SUITE("tcp") {
     CAPTURE(results[0].report);
     CHECK(results[0].report.starts_with("gradsync: rank 0: refused a connection from 127.0.0.1:"));
     CHECK(contains(results[0].report, "GRADSYNC_TOKEN"));
+  }
+
+  TEST_CASE("a flood of silent and garbage connections during setup does not stop the job") {
+    // Process 4 floods rank 0's port with 200 connections, half never saying a word, half sending
+    // garbage, all held open. Setting up one at a time with 10 s for each, the silent ones alone
+    // would hold rank 0 past its 10 s setup timeout; run side by side, they cannot.
+    constexpr int ranks = 4, connections = 200;
+    const std::uint16_t port = test::free_port();
+    // Set by the flooder once its connections are in; ranks 1-3 start then, so the flood comes first.
+    void* shared = ::mmap(nullptr, sizeof(std::atomic<bool>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(shared != MAP_FAILED);
+    auto* flooded = new (shared) std::atomic<bool>(false);
+    const auto results = test::run_processes(ranks + 1, [&](int rank) -> std::string {
+      if (rank == ranks) {
+        std::vector<RawPeer> flood(connections);
+        const std::array<unsigned char, 36> garbage{0xde, 0xad, 0xbe, 0xef};
+        for (int c = 0; c < connections; ++c) {
+          flood[static_cast<std::size_t>(c)].connect_to(port);
+          if (c % 2) flood[static_cast<std::size_t>(c)].put(garbage.data(), garbage.size());
+        }
+        flooded->store(true);
+        char byte;  // rank 0 closes every one of them by the end of its setup
+        for (const RawPeer& p : flood) p.get(&byte, 1);
+        return "ok";
+      }
+      while (rank > 0 && !flooded->load()) std::this_thread::sleep_for(10ms);
+      TcpOptions o = options(rank, ranks, port);
+      o.setup_timeout = 10s;
+      std::mutex mutex;
+      std::vector<std::string> lines;
+      o.log = [&](std::string_view line) {
+        std::lock_guard lock(mutex);
+        lines.emplace_back(line);
+      };
+      { Tcp t(o); }
+      std::lock_guard lock(mutex);
+      // The first three refusals one by one, then one line for all the rest.
+      if (lines.size() > 4) return fmt::format("{} lines logged", lines.size());
+      if (rank == 0 && (lines.empty() || !lines.front().starts_with("gradsync: rank 0: refused a connection from 127.0.0.1:")))
+        return fmt::format("rank 0 logged {}", fmt::join(lines, " | "));
+      return "ok";
+    }, 60s);
+    ::munmap(shared, sizeof(std::atomic<bool>));
+    for (int r = 0; r <= ranks; ++r) CHECK_MESSAGE(results[static_cast<std::size_t>(r)].ok(), r, ": ", results[static_cast<std::size_t>(r)].report);
   }
 
   TEST_CASE("a peer speaking another wire version is refused, and both sides say why") {

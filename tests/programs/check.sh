@@ -170,6 +170,12 @@ case $name in
     succeeds --min-mib 1 --max-mib 1 --iters 1 --codec fp16 top-k --json "$work/codecs.json"
     valid_json "$work/codecs.json" '[r["codec"] for r in d] == ["fp16", "top-k"] and d[0]["bytes"] == 1 << 20'
     ;;
+  setup)
+    refuses --rounds --rounds 0
+    refuses --rounds --rounds x
+    succeeds --rounds 2 --json "$work/setup.json"  # a world of one: nothing to connect
+    valid_json "$work/setup.json" 'd["ranks"] == 1 and len(d["rank0_ms"]) == 2'
+    ;;
   sparse)
     refuses --keys --keys 0
     refuses --key-space --key-space x

@@ -16,11 +16,16 @@ namespace gradsync::toolkit {
 
 using JobTransport = gradsync::transport::Routed<gradsync::transport::SharedMemory, gradsync::transport::Tcp>;
 
+// Whether a launcher started this process as a rank of a job (it set one of the rank variables).
+inline bool launched() {
+  namespace launch = gradsync::launch;
+  return launch::process_environment("RANK") || launch::process_environment("OMPI_COMM_WORLD_RANK") ||
+         launch::process_environment("PMI_RANK") || launch::process_environment("SLURM_PROCID");
+}
+
 inline JobTransport connect_or_alone() {
   namespace gs = gradsync;
-  if (gs::launch::process_environment("RANK") || gs::launch::process_environment("OMPI_COMM_WORLD_RANK") ||
-      gs::launch::process_environment("PMI_RANK") || gs::launch::process_environment("SLURM_PROCID"))
-    return JobTransport(gs::transport::SharedMemory::from_env(), gs::transport::Tcp::from_env());
+  if (launched()) return JobTransport(gs::transport::SharedMemory::from_env(), gs::transport::Tcp::from_env());
   const std::string job = fmt::format("single-process-{}", ::getpid());
   return JobTransport(gs::transport::SharedMemory({.job = job, .token = job}),
                       gs::transport::Tcp(gs::transport::TcpOptions{.rank = 0, .world_size = 1, .token = job}));

@@ -2,16 +2,21 @@
 // connects to it, and its first connection carries the rendezvous: the address that rank listens
 // on goes to rank 0, and once all have reported, rank 0 sends back every rank's. Each rank then
 // connects to the ranks below it and accepts the ranks above. Every connection opens with the
-// handshake: hellos both ways, then proofs of the job token both ways. A connection that claims a
-// rank this rank is waiting for, but disagrees with it (another token, world size or socket
-// count), ends the setup at once with why: that rank has refused this one too and is failing
-// with the same facts, so waiting for the setup timeout would only hide the cause. Any other
-// refused connection (garbage, a rank already connected or not expected here) is logged
-// (TcpOptions::log) and the wait goes on; the setup timeout's Error lists the refusals if the real
-// rank never comes.
+// handshake: hellos both ways, then proofs of the job token both ways.
 //
-// Everything here blocks the constructing thread: each step runs the io_context until it is done
-// or the setup deadline has passed, before the io thread exists.
+// The listening side runs every accepted connection's handshake at once, each as a coroutine with
+// a deadline of its own (handshake_limit), and at most max_handshakes of them (the oldest is
+// dropped for a new one): whoever can reach the port may connect, and a stranger that never
+// speaks, or a flood of them, must not hold up the ranks of the job. A connection that claims a
+// rank this rank is waiting for, but disagrees with it (another token, world size or socket
+// count), ends the setup at once with why: that rank has refused this one too and is failing with
+// the same facts, so waiting for the setup timeout would only hide the cause. Any other refused
+// connection (garbage, silence, a rank already connected or not expected here) is counted; the
+// first few are logged (TcpOptions::log) and kept for the setup timeout's Error, the rest only
+// summarized, so a flood costs neither memory nor log lines.
+//
+// Everything here runs on the constructing thread, which drives the io_context itself before the
+// io thread exists; each wait ends at a deadline, by closing the socket it waits on.
 
 #include "transport/tcp/setup.hpp"
 
@@ -21,7 +26,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <functional>
+#include <exception>
+#include <iterator>
+#include <list>
 #include <optional>
 #include <random>
 #include <span>
@@ -32,6 +39,7 @@
 #include <boost/asio.hpp>
 #include <netinet/tcp.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "detail/hmac.hpp"
 #include "transport/tcp/errors.hpp"
@@ -45,6 +53,15 @@ namespace asio = boost::asio;
 using asio::ip::tcp;
 using boost::system::error_code;
 using Clock = std::chrono::steady_clock;
+
+template <class T>
+using Task = asio::awaitable<T>;
+
+// How long an accepted connection has for its handshake, and how many may be in one at once.
+constexpr auto handshake_limit = std::chrono::seconds(5);
+constexpr std::size_t max_handshakes = 64;
+// Refused connections logged and kept for the timeout's Error; the rest are only counted.
+constexpr std::size_t refusals_kept = 3;
 
 class Setup {
  public:
@@ -84,6 +101,106 @@ class Setup {
     if (options_.token.empty()) throw bad("the job token is empty");
   }
 
+  // ---- sockets with deadlines -------------------------------------------------------------------
+
+  // A socket a setup step is working on, and when it must be done. The loops that run io_ close
+  // it once its deadline passes (expire()), which fails whatever is pending on it; the step that
+  // fails then reports a timeout rather than a closed socket. Registered for its scope.
+  struct Watch {
+    tcp::socket* socket;
+    Clock::time_point deadline;
+    bool expired = false;
+  };
+
+  class Timed {
+   public:
+    Timed(Setup& setup, tcp::socket& s, Clock::time_point deadline)
+        : watches_(setup.watches_), at_(watches_.insert(watches_.end(), Watch{&s, deadline})) {}
+    Timed(const Timed&) = delete;
+    Timed& operator=(const Timed&) = delete;
+    ~Timed() { watches_.erase(at_); }
+
+    tcp::socket& socket() const noexcept { return *at_->socket; }
+    bool expired() const noexcept { return at_->expired; }
+    // Ends the step now, as if its deadline had passed.
+    void expire() const noexcept {
+      at_->expired = true;
+      error_code ignored;
+      at_->socket->close(ignored);
+    }
+
+   private:
+    std::list<Watch>& watches_;
+    std::list<Watch>::iterator at_;
+  };
+
+  // Closes every watched socket whose deadline has passed; returns the next deadline to wake for.
+  Clock::time_point expire(Clock::time_point limit) {
+    const auto now = Clock::now();
+    for (Watch& w : watches_) {
+      if (!w.expired && w.deadline <= now) {
+        w.expired = true;
+        error_code ignored;
+        w.socket->close(ignored);
+      }
+      if (!w.expired) limit = std::min(limit, w.deadline);
+    }
+    return limit;
+  }
+
+  // Runs io_ on this thread until `done()`, enforcing the watched deadlines; wakes by `until` to
+  // look at `done()` again even if nothing happens.
+  template <class Done>
+  void run_until_done(Done&& done, Clock::time_point until = Clock::time_point::max()) {
+    io_.restart();
+    while (!done()) {
+      const auto wake = expire(std::min(until, Clock::now() + std::chrono::seconds(1)));
+      if (!done()) io_.run_one_until(wake);
+    }
+  }
+
+  // Runs one coroutine to its end here and returns its result, or throws what it threw.
+  template <class T>
+  T complete(Task<T> task) {
+    std::optional<T> result;
+    std::exception_ptr failure;
+    asio::co_spawn(io_, std::move(task), [&](std::exception_ptr e, T value) {
+      failure = e;
+      if (!e) result.emplace(std::move(value));
+    });
+    run_until_done([&] { return failure || result; });
+    if (failure) std::rethrow_exception(failure);
+    return std::move(*result);
+  }
+
+  void complete(Task<void> task) {
+    std::exception_ptr failure;
+    bool finished = false;
+    asio::co_spawn(io_, std::move(task), [&](std::exception_ptr e) { failure = e, finished = true; });
+    run_until_done([&] { return finished; });
+    if (failure) std::rethrow_exception(failure);
+  }
+
+  Task<void> read_exactly(const Timed& t, asio::mutable_buffer b, std::string_view what) {
+    error_code ec;
+    co_await asio::async_read(t.socket(), b, asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) throw setup_error(ec, t, what);
+  }
+
+  // (GCC 12 miscompiles a braced list in a co_await's arguments, "array used as initializer": the
+  // callers name their buffer lists first.)
+  Task<void> write_all(const Timed& t, std::vector<asio::const_buffer> b, std::string_view what) {
+    error_code ec;
+    co_await asio::async_write(t.socket(), b, asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) throw setup_error(ec, t, what);
+  }
+
+  Error setup_error(const error_code& ec, const Timed& t, std::string_view what) const {
+    if (t.expired())
+      return Error(ErrorKind::timeout, where(-1, "tcp setup"), fmt::format("{} did not finish in time", what));
+    return Error(ErrorKind::peer_failed, where(-1, "tcp setup"), fmt::format("{}: {}", what, ec.message()));
+  }
+
   // ---- the rendezvous ---------------------------------------------------------------------------
 
   // Rank 0 on the master port, every other rank on a port of the system's choosing.
@@ -99,7 +216,7 @@ class Setup {
     if (bound)
       throw Error(ErrorKind::invalid_argument, where(-1, "tcp setup"),
                   fmt::format("cannot listen on {}:{}: {}", listen_at.address().to_string(), listen_at.port(), bound.message()));
-    acceptor.listen();
+    acceptor.listen(asio::socket_base::max_listen_connections);
     return acceptor;
   }
 
@@ -108,8 +225,13 @@ class Setup {
   void connect_lower_ranks(std::uint16_t listening_port, Clock::time_point deadline) {
     tcp::socket first = connect(options_.master_addr, options_.master_port, 0, 0, deadline);
     const std::string advertised = options_.listen_addr.empty() ? first.local_endpoint().address().to_string() : options_.listen_addr;
-    write_text_frame(first, tcp_wire::FrameType::address, fmt::format("{} {}", advertised, listening_port), deadline);
-    const std::vector<std::string> table = parse_table(read_text_frame(first, tcp_wire::FrameType::table, deadline, 0));
+    std::string text;
+    {
+      const Timed t(*this, first, deadline);
+      complete(write_text_frame(t, tcp_wire::FrameType::address, fmt::format("{} {}", advertised, listening_port)));
+      text = complete(read_text_frame(t, tcp_wire::FrameType::table, 0));
+    }
+    const std::vector<std::string> table = parse_table(text);
     install(0, 0, std::move(first));
     const auto connections = static_cast<std::uint32_t>(sockets_per_peer());
     for (std::uint32_t c = 1; c < connections; ++c) install(0, c, connect(options_.master_addr, options_.master_port, 0, c, deadline));
@@ -122,47 +244,14 @@ class Setup {
     }
   }
 
-  // Accepts every connection from the ranks above this one; rank 0 also serves the rendezvous.
-  void accept_higher_ranks(tcp::acceptor& acceptor, Clock::time_point deadline) {
-    const int n = options_.world_size;
-    const int me = options_.rank;
-    std::vector<std::string> refused;
-    std::vector<std::string> table(static_cast<std::size_t>(n));  // rank 0: every rank's address
-    int addresses_known = 0;
-    std::size_t expected = static_cast<std::size_t>(n - 1 - me) * sockets_per_peer();
-    while (expected > 0) {
-      tcp::socket s(io_);
-      const error_code ec = run_until(
-          deadline, [&](auto done) { acceptor.async_accept(s, [done](error_code e) { done(e); }); },
-          [&] { error_code ignored; acceptor.close(ignored); });
-      if (ec) throw missing_ranks(ec, refused);
-      const std::string from = remote_address(s);  // before the handshake, which may close the socket
-      const Handshake h = answer(s, deadline);
-      if (!h.peer) {
-        const std::string line = fmt::format("refused a connection from {}: {}", from, h.refusal);
-        log_line(options_.log, fmt::format("gradsync: rank {}: {}", me, line));
-        if (h.disagreeing_rank && awaited(*h.disagreeing_rank))
-          throw Error(ErrorKind::mismatch, where(static_cast<int>(*h.disagreeing_rank), "tcp setup"),
-                      fmt::format("rank {} (connecting from {}) cannot join this job: {}", *h.disagreeing_rank, from,
-                                  h.refusal));
-        refused.push_back(line);
-        continue;
-      }
-      const auto peer = static_cast<int>(h.peer->rank);
-      const bool reports_address = me == 0 && h.peer->connection == 0;
-      if (reports_address) table[static_cast<std::size_t>(peer)] = read_text_frame(s, tcp_wire::FrameType::address, deadline, peer);
-      install(peer, h.peer->connection, std::move(s));
-      --expected;
-      if (reports_address && ++addresses_known == n - 1) send_table(table, deadline);
-    }
-  }
-
-  void send_table(std::vector<std::string>& table, Clock::time_point deadline) {
+  Task<void> send_table(std::vector<std::string> table, Clock::time_point deadline) {
     table[0] = fmt::format("{} {}", options_.master_addr, options_.master_port);
     std::string text;
     for (const auto& line : table) text += line + "\n";
-    for (std::size_t peer = 1; peer < sockets_.size(); ++peer)
-      write_text_frame(*sockets_[peer][0], tcp_wire::FrameType::table, text, deadline);
+    for (std::size_t peer = 1; peer < sockets_.size(); ++peer) {
+      const Timed t(*this, *sockets_[peer][0], deadline);
+      co_await write_text_frame(t, tcp_wire::FrameType::table, text);
+    }
   }
 
   std::vector<std::string> parse_table(const std::string& text) const {
@@ -185,50 +274,54 @@ class Setup {
     return lines;
   }
 
-  void write_text_frame(tcp::socket& s, tcp_wire::FrameType type, const std::string& text, Clock::time_point deadline) {
+  Task<void> write_text_frame(const Timed& t, tcp_wire::FrameType type, std::string text) {
     const auto header = tcp_wire::encode(tcp_wire::FrameHeader{type, 0, text.size()});
-    write_all(s, {asio::buffer(header), asio::buffer(text)}, deadline, "sending rendezvous data");
+    std::vector<asio::const_buffer> frame{asio::buffer(header), asio::buffer(text)};
+    co_await write_all(t, std::move(frame), "sending rendezvous data");
   }
 
-  std::string read_text_frame(tcp::socket& s, tcp_wire::FrameType type, Clock::time_point deadline, int peer) {
+  Task<std::string> read_text_frame(const Timed& t, tcp_wire::FrameType type, int peer) {
     std::array<std::byte, tcp_wire::header_bytes> bytes{};
-    read_exactly(s, asio::buffer(bytes), deadline, "reading rendezvous data");
+    co_await read_exactly(t, asio::buffer(bytes), "reading rendezvous data");
     std::string why;
     const auto header = tcp_wire::decode_header(bytes, why);
     if (header && header->type != type) why = fmt::format("frame type {} where {} belongs", int(header->type), int(type));
     if (header && header->length > tcp_wire::max_rendezvous_bytes) why = fmt::format("rendezvous frame of {} bytes", header->length);
     if (!why.empty()) throw protocol_error(options_.rank, peer, why);
     std::string text(header->length, '\0');
-    read_exactly(s, asio::buffer(text), deadline, "reading rendezvous data");
-    return text;
+    co_await read_exactly(t, asio::buffer(text), "reading rendezvous data");
+    co_return text;
   }
 
-  // ---- one connection ---------------------------------------------------------------------------
+  // ---- connecting -------------------------------------------------------------------------------
 
   // Connects to rank `peer` at host:port as connection number `connection`, retrying until the
-  // deadline while it may not be listening yet.
+  // deadline while it may not be listening yet, or closes the connection without a word (it
+  // dropped it among too many others).
   tcp::socket connect(const std::string& host, std::uint16_t port, int peer, std::uint32_t connection,
                       Clock::time_point deadline) {
     tcp::resolver resolver(io_);
     for (;;) {
       tcp::socket s(io_);
-      const error_code ec = try_connect(resolver, s, host, port, deadline);
+      error_code ec = try_connect(resolver, s, host, port, deadline);
       if (!ec) {
-        const Handshake h = handshake(s, connection, deadline);
-        if (!h.peer)
+        const Timed t(*this, s, deadline);
+        const Handshake h = complete(handshake(t, connection));
+        if (h.peer && h.peer->rank != static_cast<std::uint32_t>(peer))
+          throw Error(ErrorKind::mismatch, where(peer, "tcp setup"),
+                      fmt::format("{}:{} answered as rank {}, expected rank {}", host, port, h.peer->rank, peer));
+        if (h.peer) return s;
+        if (!h.unanswered)
           throw Error(ErrorKind::mismatch, where(peer, "tcp setup"),
                       fmt::format("rank {} at {}:{} refused this process, or this process refused it: {}", peer, host,
                                   port, h.refusal));
-        if (h.peer->rank != static_cast<std::uint32_t>(peer))
-          throw Error(ErrorKind::mismatch, where(peer, "tcp setup"),
-                      fmt::format("{}:{} answered as rank {}, expected rank {}", host, port, h.peer->rank, peer));
-        return s;
+        ec = asio::error::connection_reset;
       }
       if (Clock::now() + std::chrono::milliseconds(50) >= deadline)
         throw Error(ErrorKind::timeout, where(peer, "tcp setup"),
                     fmt::format("could not connect to rank {} at {}:{} within the setup timeout: {}", peer, host, port,
                                 ec.message()));
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it may not be listening yet
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
 
@@ -237,11 +330,14 @@ class Setup {
     error_code resolved;
     const auto endpoints = resolver.resolve(host, std::to_string(port), resolved);
     if (resolved) return resolved;
-    return run_until(
-        deadline,
-        [&](auto done) { asio::async_connect(s, endpoints, [done](error_code e, const tcp::endpoint&) { done(e); }); },
-        [&] { error_code ignored; s.close(ignored); });
+    std::optional<error_code> result;
+    const Timed t(*this, s, deadline);
+    asio::async_connect(s, endpoints, [&](error_code e, const tcp::endpoint&) { result = e; });
+    run_until_done([&] { return result.has_value(); });
+    return t.expired() ? asio::error::timed_out : *result;
   }
+
+  // ---- the handshake ----------------------------------------------------------------------------
 
   struct Handshake {
     std::optional<tcp_wire::Hello> peer;  // set only when the peer is accepted
@@ -249,25 +345,38 @@ class Setup {
     // The rank a well-formed hello claimed, when the refusal is a disagreement between the two
     // processes (token, world size, socket count) rather than a stranger's garbage.
     std::optional<std::uint32_t> disagreeing_rank;
+    bool unanswered = false;  // the other side closed before sending its hello
   };
 
-  Handshake handshake(tcp::socket& s, std::uint32_t connection, Clock::time_point deadline) {
+  Task<Handshake> handshake(const Timed& t, std::uint32_t connection) {
     const tcp_wire::Hello mine = own_hello(connection);
     const auto own = tcp_wire::encode(mine);
     std::array<std::byte, tcp_wire::hello_bytes> theirs{};
-    write_all(s, {asio::buffer(own)}, deadline, "sending the hello");
-    read_exactly(s, asio::buffer(theirs), deadline, "reading the peer's hello");
     Handshake result;
+    std::vector<asio::const_buffer> own_buffer{asio::buffer(own)};
+    co_await write_all(t, std::move(own_buffer), "sending the hello");
+    error_code ec;
+    co_await asio::async_read(t.socket(), asio::buffer(theirs), asio::redirect_error(asio::use_awaitable, ec));
+    if (ec && !t.expired() && (ec == asio::error::eof || ec == asio::error::connection_reset)) {
+      result.unanswered = true;
+      result.refusal = "it closed the connection without a hello";
+      co_return result;
+    }
+    if (ec) throw setup_error(ec, t, "reading the peer's hello");
     const auto hello = tcp_wire::decode_hello(theirs, result.refusal);
-    if (!hello) return result;
+    if (!hello) co_return result;
     result.refusal = disagreement(mine, *hello);
-    if (result.refusal.empty() && !proofs_verify(s, own, theirs, deadline))
-      result.refusal = "its proof of the job token does not verify: the two processes were given different GRADSYNC_TOKEN values";
+    if (result.refusal.empty()) {
+      const bool verified = co_await proofs_verify(t, own, theirs);
+      if (!verified)
+        result.refusal =
+            "its proof of the job token does not verify: the two processes were given different GRADSYNC_TOKEN values";
+    }
     if (result.refusal.empty())
       result.peer = hello;
     else
       result.disagreeing_rank = hello->rank;
-    return result;
+    co_return result;
   }
 
   tcp_wire::Hello own_hello(std::uint32_t connection) const {
@@ -293,36 +402,186 @@ class Setup {
   }
 
   // Each side proves it holds the job token, over both hellos, its own first.
-  bool proofs_verify(tcp::socket& s, std::span<const std::byte, tcp_wire::hello_bytes> own,
-                     std::span<const std::byte, tcp_wire::hello_bytes> theirs, Clock::time_point deadline) {
+  Task<bool> proofs_verify(const Timed& t, std::array<std::byte, tcp_wire::hello_bytes> own,
+                           std::array<std::byte, tcp_wire::hello_bytes> theirs) {
     const auto my_proof = tcp_wire::proof(options_.token, own, theirs);
     std::array<std::byte, tcp_wire::proof_bytes> their_proof{};
-    write_all(s, {asio::buffer(my_proof)}, deadline, "sending the token proof");
-    read_exactly(s, asio::buffer(their_proof), deadline, "reading the peer's token proof");
+    std::vector<asio::const_buffer> proof{asio::buffer(my_proof)};
+    co_await write_all(t, std::move(proof), "sending the token proof");
+    co_await read_exactly(t, asio::buffer(their_proof), "reading the peer's token proof");
     const auto expected = tcp_wire::proof(options_.token, theirs, own);
     gradsync::detail::Digest a, b;
     std::memcpy(a.data(), their_proof.data(), a.size());
     std::memcpy(b.data(), expected.data(), b.size());
-    return gradsync::detail::equal_digests(a, b);
+    co_return gradsync::detail::equal_digests(a, b);
   }
 
-  // The handshake on a connection this rank accepted, and whether this rank expects that rank's
-  // connection. It gets 10 s at most, so that a stranger who never speaks does not hold up the job.
-  Handshake answer(tcp::socket& s, Clock::time_point deadline) {
-    Handshake h;
-    try {
-      h = handshake(s, 0, std::min(deadline, Clock::now() + std::chrono::seconds(10)));
-    } catch (const Error& e) {
-      h.refusal = e.detail();
+  // ---- accepting --------------------------------------------------------------------------------
+
+  // What the accepting side has seen: the connections still missing, rank 0's address table, the
+  // error that ends the setup at once, and the refusals.
+  struct Admissions {
+    std::size_t expected = 0;                 // connections still to come from the ranks above
+    std::vector<std::string> table;           // rank 0: every rank's address
+    int addresses_known = 0;
+    bool table_sent = false;                  // rank 0: the table has gone to every rank
+    std::optional<Error> fatal;
+    std::list<const Timed*> handshaking;      // oldest first
+    bool winding_down = false;                // every step still to start ends at once
+    std::size_t running = 0;                  // coroutines still to end: the accept loop and handshakes
+    std::size_t refused = 0, silent = 0, dropped = 0;
+    std::vector<std::string> first_refusals;  // at most refusals_kept
+  };
+
+  // Accepts every connection from the ranks above this one; rank 0 also serves the rendezvous.
+  void accept_higher_ranks(tcp::acceptor& acceptor, Clock::time_point deadline) {
+    Admissions a;
+    a.expected = static_cast<std::size_t>(options_.world_size - 1 - options_.rank) * sockets_per_peer();
+    a.table.resize(static_cast<std::size_t>(options_.world_size));
+    a.table_sent = options_.rank != 0 || options_.world_size == 1;
+    const auto finished = [&] { return a.fatal || (a.expected == 0 && a.table_sent) || Clock::now() >= deadline; };
+    spawn(accept_loop(acceptor, deadline, a), a);
+    run_until_done(finished, deadline);
+    // Wind down: no more connections, and every step still running ends now (one not started yet,
+    // when it starts).
+    a.winding_down = true;
+    error_code ignored;
+    acceptor.close(ignored);
+    for (Watch& w : watches_) {
+      w.expired = true;
+      w.socket->close(ignored);
     }
-    if (!h.peer) return h;
+    run_until_done([&] { return a.running == 0; });
+    if (a.refused > refusals_kept) log_line(options_.log, fmt::format("gradsync: rank {}: {}", options_.rank, summary(a)));
+    if (a.fatal) throw *a.fatal;
+    if (a.expected > 0 || !a.table_sent) throw missing_ranks(a);
+  }
+
+  Task<void> accept_loop(tcp::acceptor& acceptor, Clock::time_point deadline, Admissions& a) {
+    for (;;) {
+      tcp::socket s(io_);
+      error_code ec;
+      co_await acceptor.async_accept(s, asio::redirect_error(asio::use_awaitable, ec));
+      if (!acceptor.is_open()) co_return;  // wound down
+      if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space) {
+        // Out of file descriptors, a flood's doing: free one and carry on.
+        drop_oldest(a);
+        asio::steady_timer pause(io_, std::chrono::milliseconds(10));
+        co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+        continue;
+      }
+      if (ec) {
+        a.fatal = Error(ErrorKind::peer_failed, where(-1, "tcp setup"), fmt::format("accepting connections failed: {}", ec.message()));
+        co_return;
+      }
+      if (a.handshaking.size() >= max_handshakes) drop_oldest(a);
+      spawn(admit(std::move(s), std::min(deadline, Clock::now() + handshake_limit), deadline, a), a);
+    }
+  }
+
+  // Ends the oldest handshake still running (one already ended leaves the list when it resumes).
+  static void drop_oldest(Admissions& a) {
+    for (const Timed* t : a.handshaking)
+      if (!t->expired()) {
+        ++a.dropped;
+        t->expire();
+        return;
+      }
+  }
+
+  // Starts one of the accepting side's coroutines; what escapes it ends the setup.
+  void spawn(Task<void> task, Admissions& a) {
+    ++a.running;
+    asio::co_spawn(io_, std::move(task), [this, &a](std::exception_ptr e) {
+      --a.running;
+      if (!e || a.fatal) return;
+      try {
+        std::rethrow_exception(e);
+      } catch (const Error& error) {
+        a.fatal = error;
+      } catch (const std::exception& error) {
+        a.fatal = Error(ErrorKind::internal, where(-1, "tcp setup"), error.what());
+      }
+    });
+  }
+
+  // One accepted connection: its handshake, whether this rank expects that rank's connection, and
+  // on rank 0 the address a rank's first connection reports.
+  Task<void> admit(tcp::socket s, Clock::time_point handshake_deadline, Clock::time_point deadline, Admissions& a) {
+    const std::string from = remote_address(s);  // before the handshake, which may close the socket
+    Handshake h;
+    {
+      const Timed t(*this, s, handshake_deadline);
+      if (a.winding_down) t.expire();
+      a.handshaking.push_back(&t);
+      const auto handshaking = a.handshaking.end();
+      struct Unlist {  // leaves the list however the handshake ends
+        std::list<const Timed*>& list;
+        std::list<const Timed*>::iterator at;
+        ~Unlist() { list.erase(at); }
+      } unlist{a.handshaking, std::prev(handshaking)};
+      try {
+        h = co_await handshake(t, 0);
+      } catch (const Error& e) {
+        h.refusal = e.detail();
+        h.unanswered = t.expired();
+      }
+    }
+    if (h.peer) {
+      const auto peer = static_cast<int>(h.peer->rank);
+      if (peer <= options_.rank || peer >= options_.world_size || h.peer->connection >= sockets_per_peer())
+        h.refusal = fmt::format("it claims rank {} connection {}, which this rank does not expect", peer, h.peer->connection);
+      else if (sockets_[static_cast<std::size_t>(peer)][h.peer->connection])
+        h.refusal = fmt::format("rank {} connection {} is already connected", peer, h.peer->connection);
+      if (!h.refusal.empty()) h.peer.reset();
+    }
+    if (!h.peer) {
+      refuse(a, from, h);
+      co_return;
+    }
     const auto peer = static_cast<int>(h.peer->rank);
-    if (peer <= options_.rank || peer >= options_.world_size || h.peer->connection >= sockets_per_peer())
-      h.refusal = fmt::format("it claims rank {} connection {}, which this rank does not expect", peer, h.peer->connection);
-    else if (sockets_[static_cast<std::size_t>(peer)][h.peer->connection])
-      h.refusal = fmt::format("rank {} connection {} is already connected", peer, h.peer->connection);
-    if (!h.refusal.empty()) h.peer.reset();
-    return h;
+    if (options_.rank == 0 && h.peer->connection == 0) {
+      try {
+        const Timed t(*this, s, deadline);
+        a.table[static_cast<std::size_t>(peer)] = co_await read_text_frame(t, tcp_wire::FrameType::address, peer);
+      } catch (const Error& e) {
+        a.fatal = e.filled(where(peer, "tcp setup"));
+        co_return;
+      }
+    }
+    install(peer, h.peer->connection, std::move(s));
+    --a.expected;
+    if (options_.rank == 0 && h.peer->connection == 0 && ++a.addresses_known == options_.world_size - 1) {
+      try {
+        co_await send_table(a.table, deadline);
+        a.table_sent = true;
+      } catch (const Error& e) {
+        a.fatal = e;
+      }
+    }
+  }
+
+  // Counts a refused connection, and keeps and logs the first few; a rank this rank is waiting
+  // for that disagrees with it ends the setup.
+  void refuse(Admissions& a, const std::string& from, const Handshake& h) {
+    ++a.refused;
+    if (h.unanswered) ++a.silent;
+    if (a.first_refusals.size() < refusals_kept) {
+      const std::string line = fmt::format("refused a connection from {}: {}", from, h.refusal);
+      log_line(options_.log, fmt::format("gradsync: rank {}: {}", options_.rank, line));
+      a.first_refusals.push_back(line);
+    }
+    if (h.disagreeing_rank && awaited(*h.disagreeing_rank))
+      a.fatal = Error(ErrorKind::mismatch, where(static_cast<int>(*h.disagreeing_rank), "tcp setup"),
+                      fmt::format("rank {} (connecting from {}) cannot join this job: {}", *h.disagreeing_rank, from,
+                                  h.refusal));
+  }
+
+  static std::string summary(const Admissions& a) {
+    return fmt::format(
+        "refused {} connections during setup ({} said nothing in time or closed unanswered, {} of them dropped for "
+        "newer ones beyond {} handshakes at once); the first: {}",
+        a.refused, a.silent, a.dropped, max_handshakes, fmt::join(a.first_refusals, "; "));
   }
 
   // Whether this rank still waits for a connection from `rank`.
@@ -342,7 +601,7 @@ class Setup {
     sockets_[static_cast<std::size_t>(peer)][connection].emplace(std::move(s));
   }
 
-  Error missing_ranks(const error_code& ec, const std::vector<std::string>& refused) const {
+  Error missing_ranks(const Admissions& a) const {
     std::string missing;
     for (std::size_t peer = 0; peer < sockets_.size(); ++peer)
       for (const auto& s : sockets_[peer])
@@ -350,11 +609,10 @@ class Setup {
           missing += fmt::format("{}{}", missing.empty() ? "" : ", ", peer);
           break;
         }
-    std::string detail = ec == asio::error::timed_out
-                             ? fmt::format("ranks {} did not connect within the setup timeout", missing)
-                             : fmt::format("accepting connections failed ({}); ranks {} missing", ec.message(), missing);
-    for (const auto& r : refused) detail += "; " + r;
-    return Error(ec == asio::error::timed_out ? ErrorKind::timeout : ErrorKind::peer_failed, where(-1, "tcp setup"), detail);
+    std::string detail = missing.empty() ? std::string("the address table did not reach every rank within the setup timeout")
+                                         : fmt::format("ranks {} did not connect within the setup timeout", missing);
+    if (a.refused > 0) detail += "; " + (a.refused > refusals_kept ? summary(a) : fmt::format("{}", fmt::join(a.first_refusals, "; ")));
+    return Error(ErrorKind::timeout, where(-1, "tcp setup"), detail);
   }
 
   // Every socket, in the order the data path takes them, without Nagle's delay and with the
@@ -380,49 +638,11 @@ class Setup {
                               name, std::strerror(errno)));
   }
 
-  // ---- blocking steps with a deadline -------------------------------------------------------------
-
-  // Runs one asynchronous step to completion here, or cancels it at the deadline.
-  error_code run_until(Clock::time_point deadline, const std::function<void(std::function<void(error_code)>)>& start,
-                       const std::function<void()>& cancel) {
-    std::optional<error_code> result;
-    start([&](error_code ec) { result = ec; });
-    io_.restart();
-    while (!result && io_.run_one_until(deadline)) {
-    }
-    if (result) return *result;
-    cancel();
-    io_.restart();
-    while (!result) io_.run_one();
-    return asio::error::timed_out;
-  }
-
-  void read_exactly(tcp::socket& s, asio::mutable_buffer b, Clock::time_point deadline, std::string_view what) {
-    const error_code ec = run_until(
-        deadline, [&](auto done) { asio::async_read(s, b, [done](error_code e, std::size_t) { done(e); }); },
-        [&] { error_code ignored; s.close(ignored); });
-    if (ec) throw setup_error(ec, what);
-  }
-
-  void write_all(tcp::socket& s, std::vector<asio::const_buffer> b, Clock::time_point deadline, std::string_view what) {
-    const error_code ec = run_until(
-        deadline, [&](auto done) { asio::async_write(s, b, [done](error_code e, std::size_t) { done(e); }); },
-        [&] { error_code ignored; s.close(ignored); });
-    if (ec) throw setup_error(ec, what);
-  }
-
-  Error setup_error(const error_code& ec, std::string_view what) const {
-    if (ec == asio::error::timed_out)
-      return Error(ErrorKind::timeout, where(-1, "tcp setup"),
-                   fmt::format("{} did not finish within the {} s setup timeout", what,
-                               std::chrono::duration_cast<std::chrono::seconds>(options_.setup_timeout).count()));
-    return Error(ErrorKind::peer_failed, where(-1, "tcp setup"), fmt::format("{}: {}", what, ec.message()));
-  }
-
   asio::io_context& io_;
   const TcpOptions& options_;
   // Per rank, per connection index: filled as connections are set up (this rank's own stays empty).
   std::vector<std::vector<std::optional<tcp::socket>>> sockets_;
+  std::list<Watch> watches_;  // the sockets setup steps work on now, with their deadlines
 };
 
 }  // namespace
