@@ -34,12 +34,12 @@ std::vector<std::uint8_t> read_file(const std::string& path) {
   return bytes;
 }
 
-std::uint32_t big_endian(const std::vector<std::uint8_t>& b, std::size_t at) {
+std::uint32_t big_endian(std::span<const std::uint8_t> b, std::size_t at) {
   return std::uint32_t(b[at]) << 24 | std::uint32_t(b[at + 1]) << 16 | std::uint32_t(b[at + 2]) << 8 | b[at + 3];
 }
 
 // Checks the magic number and dimension count; returns the dimensions.
-std::vector<std::uint32_t> header(const std::vector<std::uint8_t>& b, const std::string& path, std::uint32_t magic,
+std::vector<std::uint32_t> header(std::span<const std::uint8_t> b, const std::string& path, std::uint32_t magic,
                                   const char* kind) {
   const std::size_t dims = magic & 0xff;
   if (b.size() < 4 + 4 * dims)
@@ -64,8 +64,11 @@ std::vector<std::uint32_t> header(const std::vector<std::uint8_t>& b, const std:
 }  // namespace
 
 Dataset load_idx(const std::string& images_path, const std::string& labels_path) {
-  const auto image_bytes = read_file(images_path);
-  const auto label_bytes = read_file(labels_path);
+  return parse_idx(read_file(images_path), read_file(labels_path), images_path, labels_path);
+}
+
+Dataset parse_idx(std::span<const std::uint8_t> image_bytes, std::span<const std::uint8_t> label_bytes,
+                  const std::string& images_path, const std::string& labels_path) {
   const auto image_dims = header(image_bytes, images_path, 0x00000803, "images");
   const auto label_dims = header(label_bytes, labels_path, 0x00000801, "labels");
   if (image_dims[0] != label_dims[0])

@@ -3,6 +3,7 @@
 // /usr/share/datasets/fashion-mnist from Debian's dataset-fashion-mnist package.
 
 #include <cstdint>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -23,6 +24,10 @@ struct Dataset {
 // Reads an images file (magic 0x00000803) and its labels file (0x00000801). Throws DataError
 // saying which file is missing, truncated, of the wrong kind, or inconsistent with the other.
 Dataset load_idx(const std::string& images_path, const std::string& labels_path);
+
+// The same from the two files' (decompressed) bytes; the names are what errors call them.
+Dataset parse_idx(std::span<const std::uint8_t> images, std::span<const std::uint8_t> labels,
+                  const std::string& images_name, const std::string& labels_name);
 
 // The train or test split under `directory` (train-images-idx3-ubyte[.gz] and so on); a missing
 // directory or file names the Debian package that provides them.

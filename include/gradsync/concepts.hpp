@@ -74,7 +74,11 @@ enum class DecodeMode : std::uint8_t { overwrite, add };
 //
 //   encode(values, state, out)  writes at most max_encoded_bytes and returns the bytes written.
 //   decode(bytes, out, mode)  overwrites or adds into `out`; bytes that do not describe exactly
-//                             out.size() values are an Error (protocol), never a crash. The same
+//                             out.size() values are an Error (protocol), never a crash
+//                             (tests/fuzz/codecs.cpp). `bytes` start at an address aligned for
+//                             any scalar (the library's buffers are 64-byte aligned, and an
+//                             encoding starts at most 16 bytes of header into one), so a codec
+//                             may read its words in place. The same
 //                             bytes must decode to the same values on every rank: topologies send
 //                             one encoding to all, and that is what leaves them the same bits.
 template <class C, class T>

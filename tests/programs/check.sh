@@ -176,6 +176,12 @@ case $name in
     succeeds --rounds 2 --json "$work/setup.json"  # a world of one: nothing to connect
     valid_json "$work/setup.json" 'd["ranks"] == 1 and len(d["rank0_ms"]) == 2'
     ;;
+  soak)
+    refuses --iters --iters 0
+    refuses --sample-every --sample-every x
+    succeeds --iters 3 --sample-every 2 --json "$work/soak.json"
+    valid_json "$work/soak.json" 'len(d["configurations"]) == 4 and d["rank0_rss_mb"][0][0] == 0 and d["ranks"] == 1'
+    ;;
   sparse)
     refuses --keys --keys 0
     refuses --key-space --key-space x
