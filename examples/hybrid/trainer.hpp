@@ -97,8 +97,11 @@ struct Role {
   static Role of(Mode mode, int rank, int size);
 };
 
-// The PeerChannel streams of a pair (ids must agree on both sides).
-enum Stream : std::uint32_t { features = 0, feature_gradients = 1, loss = 2, fc_parameters = 3 };
+// The PeerChannel streams of a pair (ids must agree on both sides). Named constants rather than an
+// unscoped enum, whose `features` and `loss` would stand in the namespace beside train()'s locals.
+struct Stream {
+  static constexpr std::uint32_t features = 0, feature_gradients = 1, loss = 2, fc_parameters = 3;
+};
 
 // Trains `model` on `data` with every other rank of `world` (all calling this with the same
 // arguments but `test`, which only rank 0 needs). Returns this rank's reports.
