@@ -141,10 +141,11 @@ TEST_SUITE("async") {
     }
   }
 
-  TEST_CASE("every global gradient is applied once, and a worker's own gradient stands in for it until it comes") {
+  TEST_CASE("every global gradient is applied once, a worker's own gradient stands in for it until it comes, and "
+            "wait(0) leaves none standing in") {
     // Gradients that do not depend on the parameters, so that what each wait() leaves can be
     // checked against the global gradients: after iteration i, a part's sum of what was left is
-    // every global gradient up to the newest applied, plus l_t / N for the later iterations t.
+    // every global gradient up to the newest applied, plus l_t for the later iterations t.
     constexpr int n = 4, staleness = 2, iterations = 30;
     constexpr std::size_t elements = 517;
     std::vector<std::vector<std::vector<float>>> local(static_cast<std::size_t>(n));
@@ -171,8 +172,13 @@ TEST_SUITE("async") {
         gradient = mine[static_cast<std::size_t>(i)];
         std::this_thread::sleep_for(std::chrono::microseconds(pause_us(speed)));
         sync.ready(0);
-        sync.wait();
+        const bool last = i + 1 == iterations;
+        if (last)
+          sync.wait(0);  // catches up: afterwards the sum left is every global gradient, nothing else
+        else
+          sync.wait();
         const async::StepReport& step = sync.last_step();
+        if (last) CHECK(step.local_parts == 0);
         stood_in += static_cast<std::size_t>(step.local_parts);
         for (std::size_t e = 0; e < elements; ++e) left[e] += gradient[e];
         for (int p = 0; p < n; ++p) {
@@ -181,13 +187,13 @@ TEST_SUITE("async") {
             CHECK(applied > newest[static_cast<std::size_t>(p)]);
             newest[static_cast<std::size_t>(p)] = applied;
           }
-          CHECK(newest[static_cast<std::size_t>(p)] >= i - staleness);
+          CHECK(newest[static_cast<std::size_t>(p)] >= (last ? i : i - staleness));
           const ElemRange part = topology::detail::segment(elements, n, p);
           for (std::size_t e = part.begin; e < part.end; ++e) {
             double expected = 0, scale = 0;
             for (int j = 0; j <= i; ++j) {
               const double v = j <= newest[static_cast<std::size_t>(p)] ? global[static_cast<std::size_t>(j)][e]
-                                                                        : mine[static_cast<std::size_t>(j)][e] / n;
+                                                                        : mine[static_cast<std::size_t>(j)][e];
               expected += v;
               scale += std::fabs(v);
             }
@@ -294,7 +300,10 @@ TEST_SUITE("async") {
       CHECK(e.kind() == ErrorKind::invalid_argument);
       CHECK(std::string(e.what()).find("\"w\"") != std::string::npos);
     }
-    alone.wait();  // alone, the global gradient is its own
+    // One wait()'s bound may be tighter than the synchronizer's, never looser or negative.
+    CHECK_THROWS_WITH_AS(alone.wait(1), doctest::Contains("staleness 1"), Error);
+    CHECK_THROWS_WITH_AS(alone.wait(-1), doctest::Contains("staleness -1"), Error);
+    alone.wait(0);  // alone, the global gradient is its own
     CHECK(gradient == std::vector<float>(10, 1.0f));
     alone.finish();
   }

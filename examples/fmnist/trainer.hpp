@@ -7,8 +7,9 @@
 // take part in each synchronization.
 //
 // With an asynchronous parameter server (gradsync::async::Synchronizer) a worker's wait() returns
-// the newest global gradient within the staleness bound, or its own where none is new, instead of
-// everyone's average of this step; the parameters are registered too, for the period average
+// the global gradients that came since the last one, and its own gradient standing in for this
+// step's until that comes, instead of everyone's average of this step (the last step of an epoch
+// waits for it: wait(0)); the parameters are registered too, for the period average
 // after the update (parameters_updated()), and finish() ends training on each rank. A straggler is
 // injected with slow_rank/slow_factor: that worker sleeps before each step for (factor - 1) times
 // what its previous step's computation took, so it computes `factor` times slower.
@@ -121,7 +122,16 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
         sync.ready(ids[l].second);
       });
       computed = std::chrono::steady_clock::now() - computing;
-      sync.wait();
+      if constexpr (Asynchronous<Sync>) {
+        // The epoch's last step catches up: the model tested holds every global gradient and no
+        // worker's own gradient standing in for one.
+        if (step + 1 == steps)
+          sync.wait(0);
+        else
+          sync.wait();
+      } else {
+        sync.wait();
+      }
       model.sgd_step(cfg.learning_rate, cfg.momentum);
       if constexpr (Asynchronous<Sync>) {
         sync.parameters_updated();
