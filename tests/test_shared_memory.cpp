@@ -327,6 +327,61 @@ TEST_SUITE("shared_memory") {
     CHECK_FALSE(segment_exists(job, 3));
   }
 
+  TEST_CASE("a local rank stopped past the liveness bound is killed and fails the others, naming it") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(3, [&](int rank) -> std::string {
+      SharedMemoryOptions o = options(rank, 3, job);
+      o.liveness = 1s;
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, SharedMemory> sync(SharedMemory(o),
+                                                                                             {.timeout = 40s});
+      std::vector<float> a(100000, 1.0f), b(1000, 2.0f);
+      sync.add("a", view(a));
+      sync.add("b", view(b));
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        sync.ready(1);
+        if (rank == 2 && iteration == 1) ::raise(SIGSTOP);  // silent, neither exiting nor closing anything
+        sync.ready(0);
+        sync.wait();
+      }
+      return "ok";
+    });
+    REQUIRE(results[2].signalled());
+    CHECK(WTERMSIG(results[2].status) == SIGKILL);
+    for (int r : {0, 1}) {
+      const auto& report = results[static_cast<std::size_t>(r)].report;
+      CAPTURE(report);
+      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+      CHECK(contains(report, "error peer failed"));  // not the 40 s timeout
+      CHECK(contains(report, "rank 2"));
+      CHECK(contains(report, "stopped"));
+    }
+    CHECK_FALSE(segment_exists(job, 3));
+  }
+
+  TEST_CASE("a local rank that sleeps or computes past the liveness bound is not taken for dead; a negative bound is refused") {
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(3, [&](int rank) -> std::string {
+      SharedMemoryOptions o = options(rank, 3, job);
+      o.liveness = 500ms;
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, SharedMemory> sync(SharedMemory(o),
+                                                                                             {.timeout = 40s});
+      std::vector<float> a(1000, static_cast<float>(rank));
+      sync.add("a", view(a));
+      for (int iteration = 0; iteration < 3; ++iteration) {
+        if (rank == 1 && iteration == 1) std::this_thread::sleep_for(2s);
+        if (rank == 2 && iteration == 2)  // busy: on a CPU the whole time
+          for (const auto until = std::chrono::steady_clock::now() + 2s; std::chrono::steady_clock::now() < until;) {}
+        sync.ready(0);
+        sync.wait();
+      }
+      return "ok";
+    });
+    for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+    SharedMemoryOptions negative = options(0, 1, fresh_job());
+    negative.liveness = -1ms;
+    CHECK_THROWS_WITH_AS(SharedMemory{negative}, doctest::Contains("liveness"), Error);
+  }
+
   TEST_CASE("allocate: 64-byte aligned blocks of the arena, reused once returned, ordinary memory when it is full") {
     const std::string job = fresh_job();
     const auto results = test::run_processes(1, [&](int) -> std::string {

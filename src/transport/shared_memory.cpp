@@ -18,8 +18,11 @@
 #include "gradsync/transport/shared_memory.hpp"
 
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <algorithm>
 #include <cctype>
@@ -134,6 +137,7 @@ class SharedMemoryEngine {
     for (std::uint32_t i = segment_.capacity(); i-- > 0;) free_.push_back(i);
     owners_.assign(segment_.capacity(), nullptr);
     peer_gone_.assign(static_cast<std::size_t>(size_), false);
+    stopped_since_.assign(static_cast<std::size_t>(size_), Clock::time_point{});
     check_cross_memory_attach();
     thread_ = std::thread([this] { complete_loop(); });
   }
@@ -517,25 +521,63 @@ class SharedMemoryEngine {
 
   std::string departure(int peer) const {
     const shm::RankArea& area = segment_.rank(peer);
+    if (const std::int32_t killer = area.killed_by.load(std::memory_order_acquire); killer >= 0)
+      return fmt::format("rank {} (pid {}) stayed stopped (SIGSTOP, or a debugger's stop) for {} ms, past the liveness "
+                         "bound of {} ms, and was killed by rank {}",
+                         launch_rank(peer), area.process.pid, area.stopped_ms.load(std::memory_order_relaxed),
+                         options_.liveness.count(), launch_rank(killer));
     return area.closed.load(std::memory_order_acquire)
                ? fmt::format("rank {} closed its transport", launch_rank(peer))
                : fmt::format("rank {} (pid {}) exited without closing its transport (killed?)", launch_rank(peer),
                              area.process.pid);
   }
 
-  // Looks for peers that left; true if one left since the last look.
+  // Looks for peers that left; true if one left since the last look. A peer stopped for the
+  // liveness bound is killed, and found gone at a later look like any killed rank. Failing its
+  // requests while it lives would not do: the completion path trusts that a gone peer writes
+  // nothing more, and a stopped one, continued, may finish a copy into a buffer whose request was
+  // failed and has been reused since.
   bool notice_departures() {
+    using State = shm::ProcessIdentity::State;
     bool any = false;
+    const auto now = Clock::now();
     for (int p = 0; p < size_; ++p) {
       if (p == rank_ || peer_gone(p)) continue;
       const shm::RankArea& area = segment_.rank(p);
-      if (area.closed.load(std::memory_order_acquire) || !area.process.running()) {
+      const State state = area.closed.load(std::memory_order_acquire) ? State::gone : area.process.state();
+      Clock::time_point& since = stopped_since_[static_cast<std::size_t>(p)];
+      if (state == State::stopped) {
+        if (since == Clock::time_point{})
+          since = now;
+        else if (options_.liveness.count() > 0 && now - since >= options_.liveness)
+          kill_stopped(p, now - since);
+        continue;
+      }
+      since = {};
+      if (state == State::gone) {
         std::lock_guard lock(pool_mutex_);
         peer_gone_[static_cast<std::size_t>(p)] = true;
         any = true;
       }
     }
     return any;
+  }
+
+  // Kills a peer that is still the process that attached and still stopped; the first rank to
+  // decide so leaves its note in the peer's area for everyone's error message. A pidfd pins the
+  // process between the check and the signal, so a recycled pid is never signalled.
+  void kill_stopped(int peer, Clock::duration stopped) {
+    shm::RankArea& area = segment_.rank(peer);
+    const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, area.process.pid, 0));
+    if (pidfd < 0) return;  // gone meanwhile: the next look finds it
+    if (area.process.state() == shm::ProcessIdentity::State::stopped) {
+      area.stopped_ms.store(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(stopped).count()),
+                            std::memory_order_relaxed);
+      std::int32_t nobody = -1;
+      if (area.killed_by.compare_exchange_strong(nobody, rank_, std::memory_order_acq_rel))
+        ::syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
+    }
+    ::close(pidfd);
   }
 
   // A matched request whose copy was left to a peer that is gone: it will never complete. (A gone
@@ -762,6 +804,7 @@ class SharedMemoryEngine {
   std::vector<std::uint32_t> free_;
   std::vector<Request*> owners_;  // by record index: the request a pending record belongs to
   std::vector<bool> peer_gone_;
+  std::vector<Clock::time_point> stopped_since_;  // the completion thread's: when a peer was first seen stopped
 
   std::mutex local_mutex_;
   bool stopping_ = false;
@@ -830,6 +873,7 @@ SharedMemoryOptions SharedMemory::options_from_env() {
   o.token = launch.token;
   o.job = fmt::format("{}\n{}:{}", launch.token, launch.master_addr, launch.master_port);
   if (const auto t = launch::number_setting("GRADSYNC_SETUP_TIMEOUT_S", 1, 86400)) o.setup_timeout = std::chrono::seconds(*t);
+  if (const auto l = launch::number_setting("GRADSYNC_LIVENESS_MS", 0, 86400000)) o.liveness = std::chrono::milliseconds(*l);
   if (const auto a = launch::process_environment("GRADSYNC_SHM_ARENA_BYTES")) {
     char* end = nullptr;
     errno = 0;

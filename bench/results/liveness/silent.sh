@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# How long the survivors of a 4-host fmnist job take to fail after host 2 goes silent: its link
-# down (`ip link set v2 down`) or its process stopped (SIGSTOP). Usage: silent.sh link|stop OUT_DIR
+# How long the survivors of a 4-rank fmnist job take to fail after rank 2 goes silent: on 4 hosts,
+# its link down (`ip link set v2 down`) or its process stopped (SIGSTOP); with the 4 ranks on one
+# host (shared memory), its process stopped (local-stop). Usage: silent.sh link|stop|local-stop OUT_DIR
 set -u
 how=$1 out=$2; mkdir -p "$out"
 cd /work/main
@@ -9,7 +10,8 @@ NC=/work/shared/tools/netcluster
 log=$out/$how.log
 : > "$log"
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done; }
-( $NC run 4 ./build-release/examples/fmnist --epochs 20 2>&1 | stamp >> "$log" ) &
+if [ "$how" = local-stop ]; then launch="env RANKS_PER_HOST=4 $NC run 1"; else launch="$NC run 4"; fi
+( $launch ./build-release/examples/fmnist --epochs 20 2>&1 | stamp >> "$log" ) &
 job=$!
 sleep 8
 if [ "$how" = link ]; then
@@ -25,7 +27,7 @@ for i in $(seq 1 60); do
   sleep 1
 done
 [ "$how" = link ] && ip link set v2 up
-[ "$how" = stop ] && kill -KILL "$pid" 2>/dev/null
+[ "$how" != link ] && kill -KILL "$pid" 2>/dev/null
 wait $job
 python3 - "$log" "$t0" <<'PY'
 import re, sys

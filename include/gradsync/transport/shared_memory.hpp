@@ -33,7 +33,10 @@
 // ordinary memory instead, never SIGBUS.
 //
 // A rank that exits or aborts makes every other rank's pending and later operations fail at once
-// with Error(peer_failed) naming it. Ranks and peers are numbered 0..local_size-1; errors name
+// with Error(peer_failed) naming it. A rank that stays stopped (SIGSTOP, a debugger's stop) for
+// `liveness` is killed by the first peer to see it, and then fails the others the same way: a
+// stopped process may be continued, so its copies cannot be written off while it lives. A rank
+// that is busy, sleeping or waiting for the disk is never taken for dead. Ranks and peers are numbered 0..local_size-1; errors name
 // the launch's ranks (first_rank + local rank), which is what the job's logs say.
 //
 //   auto shm = gradsync::transport::SharedMemory::from_env();   // under gradsync-run -n 4
@@ -62,6 +65,9 @@ struct SharedMemoryOptions {
   std::string token{};  // the job's shared secret
   std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);
   std::size_t max_pending = 16384;  // operations one rank may have posted and not yet completed
+  // A local rank stopped this long is killed (above); 0: never. From the environment:
+  // GRADSYNC_LIVENESS_MS, as for transport::Tcp.
+  std::chrono::milliseconds liveness = std::chrono::seconds(10);
   // Address space reserved for each rank's arena (allocate()); pages take memory only as blocks
   // are allocated. Local rank 0's value is the machine's; 0 turns arenas off. From the
   // environment: GRADSYNC_SHM_ARENA_BYTES (a number of bytes, or with a K, M or G suffix).

@@ -82,9 +82,10 @@ ProcessIdentity ProcessIdentity::self() {
   return {.pid = pid, .start_ticks = stat ? stat->start_ticks : 0};
 }
 
-bool ProcessIdentity::running() const {
+ProcessIdentity::State ProcessIdentity::state() const {
   const auto stat = read_stat(pid);
-  return stat && stat->state != 'Z' && stat->state != 'X' && stat->start_ticks == start_ticks;
+  if (!stat || stat->state == 'Z' || stat->state == 'X' || stat->start_ticks != start_ticks) return State::gone;
+  return stat->state == 'T' || stat->state == 't' ? State::stopped : State::running;
 }
 
 boost::posix_time::ptime utc_deadline(Clock::duration from_now) {
@@ -103,6 +104,9 @@ Segment::Segment(const SharedMemoryOptions& o) : name_(name(o)) {
                       fmt::format("local rank {} of {} is not a place on this machine", o.local_rank, o.local_size));
   if (o.max_pending < 1 || o.max_pending > std::numeric_limits<std::uint32_t>::max() / (2 * o.local_size))
     throw setup_error(ErrorKind::invalid_argument, o, fmt::format("max_pending {} is out of range", o.max_pending));
+  if (o.liveness.count() < 0)
+    throw setup_error(ErrorKind::invalid_argument, o,
+                      fmt::format("liveness {} ms is negative (0 turns it off)", o.liveness.count()));
   if (o.arena_bytes > max_arena_bytes)
     throw setup_error(ErrorKind::invalid_argument, o,
                       fmt::format("arena_bytes {} is more than the {} a rank may have", o.arena_bytes,

@@ -30,7 +30,7 @@ namespace gradsync::transport::shm {
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 7;
+inline constexpr std::uint32_t segment_version = 8;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
 inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
 inline constexpr std::size_t page_bytes = 4096;
@@ -41,8 +41,13 @@ struct ProcessIdentity {
   std::int32_t pid = 0;
   std::uint64_t start_ticks = 0;
 
+  enum class State { running, stopped, gone };
+
   static ProcessIdentity self();
-  bool running() const;  // false once it has exited (a zombie counts as exited)
+  // gone once it has exited (a zombie counts as exited); stopped by a signal (SIGSTOP, SIGTSTP)
+  // or a debugger; otherwise running, whether on a CPU, sleeping or waiting for the disk.
+  State state() const;
+  bool running() const { return state() != State::gone; }
 };
 
 // One posted send or receive. Lives in its owner's pool; while it waits for its other half it is
@@ -84,6 +89,10 @@ struct RankArea {
   ProcessIdentity process;
   std::uint64_t mapped_at = 0;            // where this rank mapped the segment, for the setup's cross-memory check
   std::atomic<std::uint32_t> closed{0};  // the rank destroyed its transport
+  // Set by the rank that killed this one for staying stopped past the liveness bound, before the
+  // signal, so that every survivor's error can say what happened.
+  std::atomic<std::int32_t> killed_by{-1};
+  std::atomic<std::uint64_t> stopped_ms{0};
   RobustMutex mailbox_mutex;              // guards sends/receives addressed to this rank (not the copies)
   FifoQueue sends;                        // others' sends to this rank, unmatched
   FifoQueue receives;                     // this rank's receives, unmatched
