@@ -8,6 +8,7 @@
 #include <barrier>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <mutex>
 #include <new>
@@ -850,15 +851,19 @@ TEST_SUITE("synchronizer") {
     constexpr int n = 4;
     Topology pieces_of_100{.chunk_elements = 100};
     if constexpr (std::same_as<Topology, topology::Hierarchical>) pieces_of_100.ranks_per_machine = 2;  // 2 machines of 2
-    for (bool coordinated : {false, true}) {
+    // With a timeline too: recording an event must not allocate either (timeline.hpp).
+    const auto trace = std::filesystem::temp_directory_path() / "gradsync-allocation-test.json";
+    for (const auto& [coordinated, traced] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true}}) {
       CAPTURE(coordinated);
+      CAPTURE(traced);
       std::barrier sync_point(n);
       std::size_t counted = 1;
       const auto errors = test::run_ranks(n, [&](InProcess& t) {
         Model model(specs);
         model.fill(t.rank(), 0);
         Synchronizer<bucketing::FixedSize, compression::Fp16, Topology, InProcess> sync(
-            std::move(t), {.coordination = {.enabled = coordinated, .batch_bytes = 300}},
+            std::move(t),
+            {.coordination = {.enabled = coordinated, .batch_bytes = 300}, .timeline = traced ? trace.string() : ""},
             {.cap_bytes = 4096, .first_cap_bytes = 256}, {}, pieces_of_100);
         for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
         const auto step = [&] {
@@ -877,6 +882,8 @@ TEST_SUITE("synchronizer") {
       });
       for (const auto& e : errors) REQUIRE_FALSE(e);
       CHECK(counted == 0);
+      if (traced)
+        for (int r = 0; r < n; ++r) CHECK(std::filesystem::remove(Timeline::rank_path(trace.string(), std::to_string(r))));
     }
   }
 }

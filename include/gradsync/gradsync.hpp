@@ -20,6 +20,7 @@
 #include "gradsync/sparse/embedding_table.hpp"
 #include "gradsync/sparse/exchange.hpp"
 #include "gradsync/synchronizer.hpp"
+#include "gradsync/timeline.hpp"
 #include "gradsync/topology/hierarchical.hpp"
 #include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/ring.hpp"

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "gradsync/log.hpp"
 
@@ -52,6 +53,11 @@ struct Options {
   // Where this Synchronizer and its bucketing policy print (log.hpp): new plans, selective
   // compression's decisions. Nothing is printed per step.
   LogSink log = log_to_stderr;
+  // Chrome trace events of this rank's synchronization (timeline.hpp), written when the
+  // Synchronizer is destroyed to this path with the rank inserted; empty: the environment's
+  // GRADSYNC_TIMELINE if set, else no timeline.
+  std::string timeline{};
+  std::size_t timeline_events = std::size_t{1} << 18;  // kept at most (40 bytes each); later ones are dropped
 };
 
 // What the last completed iteration cost this rank.

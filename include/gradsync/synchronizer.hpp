@@ -24,8 +24,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -47,6 +49,7 @@
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/task_graph.hpp"
 #include "gradsync/options.hpp"
+#include "gradsync/timeline.hpp"
 
 namespace gradsync {
 
@@ -109,6 +112,7 @@ class Synchronizer {
       throw Error(ErrorKind::invalid_argument, here("options"),
                   fmt::format("coordination window is {}; at least one batch per link must be allowed",
                               options_.coordination.window));
+    open_timeline();
   }
 
  public:
@@ -130,6 +134,13 @@ class Synchronizer {
                              fmt::format("the Synchronizer was destroyed during iteration {}", iteration_.load())));
     work_cv_.notify_all();
     thread_.join();
+    if (timeline_) {
+      try {
+        timeline_->write();
+      } catch (const Error& e) {
+        log_line(options_.log, e.what());  // a destructor must not throw
+      }
+    }
   }
 
   // Registers a gradient; ids are given out in order from 0. Every rank must register the same
@@ -185,6 +196,7 @@ class Synchronizer {
                   fmt::format("gradient {:?} (id {}) was marked ready twice in iteration {}; call wait() before "
                               "starting the next iteration",
                               layout_[id].name, id, iteration_.load()));
+    if (timeline_) timeline_->record(Timeline::Kind::ready, timeline_->now(), slots_[id].bucket, id);
     const auto now = std::chrono::steady_clock::now();
     ready_at_[id] = now;
     std::int64_t none = 0;
@@ -207,11 +219,13 @@ class Synchronizer {
   void wait() {
     freeze();
     const auto start = std::chrono::steady_clock::now();
+    const std::int64_t traced_start = timeline_ ? timeline_->now() : 0;
     if (!failed_.load(std::memory_order_acquire) && order_size_.load(std::memory_order_acquire) < layout_.size())
       fail(never_ready_error());
     std::unique_lock lock(mutex_);
     done_cv_.wait(lock, [&] { return error_ || done_; });
     if (error_) throw_when_released(lock);
+    if (timeline_) timeline_->record(Timeline::Kind::wait, traced_start, 0, iteration_.load());
     next_iteration(std::chrono::steady_clock::now() - start);
   }
 
@@ -253,6 +267,7 @@ class Synchronizer {
     // Where the bucket is reduced, typed by its dtype: the one place the dtype becomes a type.
     engine::BucketValues values;
     engine::BucketExchange<C, X> exchange;
+    std::int64_t traced_start = 0;  // on the timeline, when this iteration's packing began
   };
 
   ErrorContext here(std::string operation, std::optional<std::uint32_t> bucket = std::nullopt) const {
@@ -273,6 +288,11 @@ class Synchronizer {
       ready_at_.resize(n);
       order_.resize(n);
       ready_time_.resize(n);
+      if (timeline_) {
+        std::vector<std::string> names;
+        for (const auto& gradient : layout_) names.push_back(gradient.name);
+        timeline_->name_gradients(std::move(names));
+      }
       if (options_.executor == Executor::task_graph)
         engine_ = std::make_unique<engine::TaskGraph<C, X>>(
             transport_, codec_, group_, options_.compute_threads, options_.timeout,
@@ -351,17 +371,32 @@ class Synchronizer {
   // Bucket `b`'s schedule: compressed, unless selective compression has a cost model that says
   // sending it as it is would be faster; then also cut into the pieces the model chose.
   engine::BucketExchange<C, X> exchange_for(std::size_t b, const Bucket& bucket) {
-    if constexpr (PipelineTopology<T>) {
-      if (costs_) {
-        engine::ChosenSchedule chosen =
-            engine::choose_schedule(*costs_, codec_, topology_, group_, bucket.elements, bucket.dtype);
-        decisions_ += fmt::format("\n  bucket {}: {}", b, chosen.explanation);
-        return engine::BucketExchange<C, X>(std::move(chosen.schedule), codec_, bucket.dtype,
-                                            !chosen.compressed && !C::identity, &transport_);
+    engine::BucketExchange<C, X> exchange = [&] {
+      if constexpr (PipelineTopology<T>) {
+        if (costs_) {
+          engine::ChosenSchedule chosen =
+              engine::choose_schedule(*costs_, codec_, topology_, group_, bucket.elements, bucket.dtype);
+          decisions_ += fmt::format("\n  bucket {}: {}", b, chosen.explanation);
+          return engine::BucketExchange<C, X>(std::move(chosen.schedule), codec_, bucket.dtype,
+                                              !chosen.compressed && !C::identity, &transport_);
+        }
       }
-    }
-    return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()), codec_,
-                                        bucket.dtype, false, &transport_);
+      return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()), codec_,
+                                          bucket.dtype, false, &transport_);
+    }();
+    exchange.trace(timeline_.get(), static_cast<std::uint32_t>(b));
+    return exchange;
+  }
+
+  // Options::timeline, or GRADSYNC_TIMELINE: where this rank's trace goes, if anywhere.
+  void open_timeline() {
+    std::string path = options_.timeline;
+    if (const char* from_env = std::getenv("GRADSYNC_TIMELINE"); path.empty() && from_env) path = from_env;
+    if (path.empty()) return;
+    std::string tag = std::to_string(transport_.rank());
+    if (group_.name != "world")
+      for (const char c : "." + group_.name) tag += std::isalnum(static_cast<unsigned char>(c)) || c == '.' ? c : '-';
+    timeline_ = std::make_unique<Timeline>(Timeline::rank_path(path, tag), transport_.rank(), options_.timeline_events);
   }
 
   void log_decisions() {
@@ -453,6 +488,7 @@ class Synchronizer {
   template <class V>
   void synchronize_bucket(std::size_t b, std::span<V> values, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
+    if (timeline_) bucket.traced_start = timeline_->now();
     if (!bucket.in_place) {
       const auto started = std::chrono::steady_clock::now();
       for (GradId id : plan_.buckets[b])
@@ -470,6 +506,7 @@ class Synchronizer {
   // Bucket `b` is averaged: its gradients get their values, then their updates run.
   void finish_bucket(std::size_t b) {
     copy_back(b);
+    if (timeline_) timeline_->record(Timeline::Kind::bucket, buckets_[b].traced_start, static_cast<std::uint32_t>(b));
     if (!update_) return;
     for (GradId id : plan_.buckets[b]) {
       try {
@@ -606,6 +643,9 @@ class Synchronizer {
   std::atomic<bool> frozen_{false};
   BucketPlan plan_;
   std::vector<Slot> slots_;      // by gradient
+  // Options::timeline: what this rank did, for the trace file. Declared before the buckets, whose
+  // exchanges record into it, and the task graph, whose threads do, so that it outlives both.
+  std::unique_ptr<Timeline> timeline_;
   std::vector<Bucket> buckets_;  // by plan position
 
   // Per-iteration state written by ready() (any thread) and read by the communication thread.

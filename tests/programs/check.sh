@@ -182,6 +182,12 @@ case $name in
     succeeds --iters 3 --sample-every 2 --json "$work/soak.json"
     valid_json "$work/soak.json" 'len(d["configurations"]) == 4 and d["rank0_rss_mb"][0][0] == 0 and d["ranks"] == 1'
     ;;
+  timeline)
+    refuses --threads --threads 0
+    refuses --events --events 4x
+    succeeds --events 1000 --threads 2 --repeats 2 --json "$work/timeline.json"
+    valid_json "$work/timeline.json" 'd["threads"] == 2 and d["record_ns_per_event"] > 0 and d["write_ns_per_event"] > 0'
+    ;;
   sparse)
     refuses --keys --keys 0
     refuses --key-space --key-space x

@@ -42,6 +42,7 @@
 #include "gradsync/detail/aligned_buffer.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/tag.hpp"
+#include "gradsync/timeline.hpp"
 
 namespace gradsync::engine {
 
@@ -144,6 +145,21 @@ class BucketExchange {
     if constexpr (TransportAdder<X>) find_adds_on_receive(C::identity);
   }
 
+  // Records this bucket's steps in `timeline` from now on (the Synchronizer's, if it keeps one).
+  void trace(Timeline* timeline, std::uint32_t bucket) {
+    timeline_ = timeline;
+    traced_bucket_ = bucket;
+    posted_at_.assign(timeline ? schedule_.steps.size() : 0, 0);
+    posted_peer_.assign(timeline ? schedule_.steps.size() : 0, -1);
+  }
+
+  // Send or receive `index` has completed with `bytes`: its span from posting, on the timeline.
+  void transfer_done(std::size_t index, std::size_t bytes) noexcept {
+    if (!timeline_) return;
+    timeline_->record(schedule_.steps[index].op == Step::Op::send ? Timeline::Kind::send : Timeline::Kind::recv,
+                      posted_at_[index], traced_bucket_, bytes, posted_peer_[index]);
+  }
+
   // Receives that may add on arrival (the top of this file): what the tests check.
   std::size_t receives_that_may_add() const noexcept {
     return static_cast<std::size_t>(std::count(adds_on_receive_.begin(), adds_on_receive_.end(), std::uint8_t{1}));
@@ -188,39 +204,14 @@ class BucketExchange {
   // Runs encode, decode or average step `index` on `values`.
   template <class T>
   void compute(std::size_t index, std::span<T> values, const C& codec) {
+    if (!timeline_) return compute_step(index, values, codec);
+    const std::int64_t started = timeline_->now();
+    compute_step(index, values, codec);
     const Step& step = schedule_.steps[index];
-    if constexpr (!CodecFor<C, T>) {
-      // Executors visit both dtypes of BucketValues, so this is compiled for f64 even when C has
-      // only the f32 path; the Synchronizer's add() keeps f64 buckets away from such a codec.
-      throw Error(ErrorKind::unsupported, {.operation = std::string(name(step.op))},
-                  fmt::format("codec {} has no {} path", codec.describe(), to_string(dtype_of<T>())));
-    } else {
-      const auto range = values.subspan(step.range.begin, step.range.size());
-      if (added_on_receive(index)) return;
-      if (step.slot != no_slot && raw_slot(step.slot)) {
-        if (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy)
-          return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
-        if (step.op == Step::Op::encode) {
-          if (!range.empty()) std::memcpy(capacity(step.slot).data(), range.data(), range.size_bytes());
-          slot_bytes_[step.slot] = range.size_bytes();
-          return;
-        }
-      }
-      switch (step.op) {
-        case Step::Op::encode:
-          slot_bytes_[step.slot] = codec.encode(std::span<const T>(range), states_[index], capacity(step.slot));
-          break;
-        case Step::Op::decode_add: codec.decode(encoded(step.slot), range, DecodeMode::add); break;
-        case Step::Op::decode_copy: codec.decode(encoded(step.slot), range, DecodeMode::overwrite); break;
-        case Step::Op::average: {
-          const T n = static_cast<T>(schedule_.contributors);
-          for (T& v : range) v /= n;
-          break;
-        }
-        case Step::Op::send:
-        case Step::Op::recv: break;
-      }
-    }
+    timeline_->record(step.op == Step::Op::encode    ? Timeline::Kind::encode
+                      : step.op == Step::Op::average ? Timeline::Kind::average
+                                                     : Timeline::Kind::decode,
+                      started, traced_bucket_, step.range.size());
   }
 
   // Posts send or receive step `index`; counts the bytes a send puts on the wire.
@@ -230,6 +221,10 @@ class BucketExchange {
     const auto range = values.subspan(step.range.begin, step.range.size());
     const int peer = ctx.group.members[step.peer];
     const std::uint64_t tag = make_tag(ctx.iteration, ctx.bucket, step.message);
+    if (timeline_) {
+      posted_at_[index] = timeline_->now();
+      posted_peer_[index] = peer;
+    }
     if (step.op == Step::Op::send) {
       const auto bytes = step.slot == no_slot ? std::as_bytes(range) : encoded(step.slot);
       transport.send(requests_[index], peer, tag, bytes);
@@ -276,6 +271,44 @@ class BucketExchange {
   }
 
  private:
+  // compute()'s work, untimed.
+  template <class T>
+  void compute_step(std::size_t index, std::span<T> values, const C& codec) {
+    const Step& step = schedule_.steps[index];
+    if constexpr (!CodecFor<C, T>) {
+      // Executors visit both dtypes of BucketValues, so this is compiled for f64 even when C has
+      // only the f32 path; the Synchronizer's add() keeps f64 buckets away from such a codec.
+      throw Error(ErrorKind::unsupported, {.operation = std::string(name(step.op))},
+                  fmt::format("codec {} has no {} path", codec.describe(), to_string(dtype_of<T>())));
+    } else {
+      const auto range = values.subspan(step.range.begin, step.range.size());
+      if (added_on_receive(index)) return;
+      if (step.slot != no_slot && raw_slot(step.slot)) {
+        if (step.op == Step::Op::decode_add || step.op == Step::Op::decode_copy)
+          return take_raw(encoded(step.slot), range, step.op == Step::Op::decode_add);
+        if (step.op == Step::Op::encode) {
+          if (!range.empty()) std::memcpy(capacity(step.slot).data(), range.data(), range.size_bytes());
+          slot_bytes_[step.slot] = range.size_bytes();
+          return;
+        }
+      }
+      switch (step.op) {
+        case Step::Op::encode:
+          slot_bytes_[step.slot] = codec.encode(std::span<const T>(range), states_[index], capacity(step.slot));
+          break;
+        case Step::Op::decode_add: codec.decode(encoded(step.slot), range, DecodeMode::add); break;
+        case Step::Op::decode_copy: codec.decode(encoded(step.slot), range, DecodeMode::overwrite); break;
+        case Step::Op::average: {
+          const T n = static_cast<T>(schedule_.contributors);
+          for (T& v : range) v /= n;
+          break;
+        }
+        case Step::Op::send:
+        case Step::Op::recv: break;
+      }
+    }
+  }
+
   std::span<std::byte> capacity(std::uint32_t slot) const {
     return {scratch_.data() + slot_offset_[slot], slot_capacity_[slot]};
   }
@@ -345,6 +378,7 @@ class BucketExchange {
     const std::size_t bytes = transport.wait(requests_[index], started + ctx.timeout);
     stats.waiting += std::chrono::steady_clock::now() - started;
     completed_[index] = 1;
+    transfer_done(index, bytes);
     if (schedule_.steps[index].op == Step::Op::recv) received<T>(index, bytes);
   }
 
@@ -360,6 +394,10 @@ class BucketExchange {
   std::vector<std::uint8_t> adds_on_receive_;  // per receive: may be posted as recv_add
   std::vector<std::uint8_t> added_;            // per receive: was, this time
   std::vector<typename C::State> states_;      // one per step; encode steps get real state
+  Timeline* timeline_ = nullptr;               // trace(): where steps are recorded, if anywhere
+  std::uint32_t traced_bucket_ = 0;
+  std::vector<std::int64_t> posted_at_;        // per transfer, with a timeline: when it was posted
+  std::vector<std::int32_t> posted_peer_;      // ... and to or from which transport rank
 };
 
 }  // namespace gradsync::engine

@@ -457,6 +457,7 @@ class TaskGraph final : private transport::CompletionSink {
       Job& job = jobs_[bucket_of(task)];
       const Step& step = job.exchange->schedule().steps[step_of(task)];
       const std::size_t bytes = transport_.wait(job.exchange->request(step_of(task)), Clock::now() + timeout_);
+      job.exchange->transfer_done(step_of(task), bytes);
       if (step.op == Step::Op::recv)
         std::visit(
             [&](auto values) {

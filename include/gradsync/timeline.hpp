@@ -1,0 +1,206 @@
+#pragma once
+// Timeline — what one rank's Synchronizer did and when, as Chrome trace events: open the file in
+// Perfetto (ui.perfetto.dev) or chrome://tracing to see which transfers overlapped which encodes
+// and how much of backward each bucket's averaging hid under, as Horovod's timeline shows it.
+//
+// Turned on by Options::timeline, or by the environment variable GRADSYNC_TIMELINE=PATH; each
+// rank writes PATH with ".<rank>" inserted before ".json" (trace.json: trace.0.json,
+// trace.1.json, ...) when its Synchronizer is destroyed. Events, with the track they go on:
+//   ready        an instant, per gradient marked ready (the caller's thread)
+//   wait         wait()'s time, the iteration in args (the caller's thread)
+//   bucket b     from the bucket's packing to its averages written back (async track "buckets")
+//   encode, decode, average   each schedule step, with bucket and elements (the thread that ran it)
+//   send to P / recv from P   from posting to completion, with bucket and bytes (async tracks)
+// Recording writes one preallocated slot (an atomic increment and a few stores); nothing is
+// allocated or formatted until the file is written. Past `capacity` events the rest are counted,
+// not kept, and the file says how many were dropped.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/error.hpp"
+
+namespace gradsync {
+
+class Timeline {
+ public:
+  enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv };
+
+  Timeline(std::string path, int rank, std::size_t capacity)
+      : path_(std::move(path)), rank_(rank), events_(capacity), start_(Clock::now()) {}
+
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+
+  // The file a rank writes for PATH: ".<tag>" before a final ".json", else ".<tag>.json" appended.
+  // The tag is the rank, and the group's name after it for a Synchronizer of a group other than
+  // the world (two Synchronizers of one process must not write one file).
+  static std::string rank_path(std::string_view path, std::string_view tag) {
+    constexpr std::string_view suffix = ".json";
+    if (path.ends_with(suffix)) path.remove_suffix(suffix.size());
+    return fmt::format("{}.{}.json", path, tag);
+  }
+
+  // Nanoseconds since this timeline began.
+  std::int64_t now() const noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count();
+  }
+
+  // One event from `start` (now(), taken when it began) to now. `detail`: the gradient id
+  // (ready), the iteration (wait), the elements (compute steps) or the bytes (transfers);
+  // `peer`: the peer's transport rank for a transfer.
+  void record(Kind kind, std::int64_t start, std::uint32_t bucket = 0, std::uint64_t detail = 0,
+              std::int32_t peer = -1) noexcept {
+    const std::size_t at = next_.fetch_add(1, std::memory_order_relaxed);
+    if (at >= events_.size()) return;  // counted by next_, reported as dropped
+    Event& e = events_[at];
+    e.start = start;
+    e.end = kind == Kind::ready ? start : now();
+    e.detail = detail;
+    e.bucket = bucket;
+    e.peer = peer;
+    e.lane = lane();
+    e.kind = kind;
+    e.recorded.store(true, std::memory_order_release);
+  }
+
+  // Names the gradients (by GradId) for ready events; call before any is recorded.
+  void name_gradients(std::vector<std::string> names) { gradient_names_ = std::move(names); }
+
+  std::size_t recorded() const noexcept { return std::min(next_.load(), events_.size()); }
+  std::size_t dropped() const noexcept { return next_.load() - recorded(); }
+  const std::string& path() const noexcept { return path_; }
+
+  // Writes the Chrome trace (a JSON object with traceEvents). Call once no event is being recorded.
+  void write() const {
+    fmt::memory_buffer out;
+    fmt::format_to(std::back_inserter(out), "{{\"displayTimeUnit\":\"ms\",\"otherData\":{{\"rank\":{},\"dropped\":{}}},"
+                                            "\"traceEvents\":[\n",
+                   rank_, dropped());
+    fmt::format_to(std::back_inserter(out),
+                   "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{0},\"tid\":0,\"args\":{{\"name\":\"rank {0}\"}}}}",
+                   rank_);
+    const std::size_t n = recorded();
+    for (std::size_t i = 0; i < n; ++i) {
+      const Event& e = events_[i];
+      if (!e.recorded.load(std::memory_order_acquire)) continue;
+      const double ts = static_cast<double>(e.start) / 1e3, dur = static_cast<double>(e.end - e.start) / 1e3;
+      switch (e.kind) {
+        case Kind::ready:
+          fmt::format_to(std::back_inserter(out),
+                         ",\n{{\"ph\":\"i\",\"s\":\"t\",\"name\":\"ready\",\"cat\":\"gradsync\",\"pid\":{},\"tid\":{},"
+                         "\"ts\":{:.3f},\"args\":{{\"gradient\":\"{}\"}}}}",
+                         rank_, e.lane, ts, escaped(gradient_name(e.detail)));
+          break;
+        case Kind::wait:
+          fmt::format_to(std::back_inserter(out),
+                         ",\n{{\"ph\":\"X\",\"name\":\"wait\",\"cat\":\"gradsync\",\"pid\":{},\"tid\":{},\"ts\":{:.3f},"
+                         "\"dur\":{:.3f},\"args\":{{\"iteration\":{}}}}}",
+                         rank_, e.lane, ts, dur, e.detail);
+          break;
+        case Kind::encode:
+        case Kind::decode:
+        case Kind::average:
+          fmt::format_to(std::back_inserter(out),
+                         ",\n{{\"ph\":\"X\",\"name\":\"{}\",\"cat\":\"gradsync\",\"pid\":{},\"tid\":{},\"ts\":{:.3f},"
+                         "\"dur\":{:.3f},\"args\":{{\"bucket\":{},\"elements\":{}}}}}",
+                         name(e.kind), rank_, e.lane, ts, dur, e.bucket, e.detail);
+          break;
+        case Kind::bucket:
+        case Kind::send:
+        case Kind::recv: {
+          // Async begin/end pairs: transfers and buckets overlap one another, which slices on one
+          // thread's track may not.
+          const std::string label = e.kind == Kind::bucket ? fmt::format("bucket {}", e.bucket)
+                                    : e.kind == Kind::send  ? fmt::format("send to {}", e.peer)
+                                                            : fmt::format("recv from {}", e.peer);
+          const std::string_view category = e.kind == Kind::bucket ? "buckets" : "transfers";
+          for (const auto& [phase, at] : {std::pair{'b', ts}, std::pair{'e', ts + dur}})
+            fmt::format_to(std::back_inserter(out),
+                           ",\n{{\"ph\":\"{}\",\"name\":\"{}\",\"cat\":\"{}\",\"id\":{},\"pid\":{},\"tid\":{},"
+                           "\"ts\":{:.3f},\"args\":{{\"bucket\":{},\"bytes\":{}}}}}",
+                           phase, label, category, i, rank_, e.lane, at, e.bucket,
+                           e.kind == Kind::bucket ? 0 : e.detail);
+          break;
+        }
+      }
+    }
+    fmt::format_to(std::back_inserter(out), "\n]}}\n");
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path_.c_str(), "wb"), &std::fclose);
+    if (!file || std::fwrite(out.data(), 1, out.size(), file.get()) != out.size())
+      throw Error(ErrorKind::internal, {.rank = rank_, .operation = "timeline"},
+                  fmt::format("could not write the timeline to {:?}", path_));
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct Event {
+    std::int64_t start = 0, end = 0;  // ns since the timeline began
+    std::uint64_t detail = 0;
+    std::uint32_t bucket = 0;
+    std::int32_t peer = -1;
+    std::uint32_t lane = 0;
+    Kind kind = Kind::ready;
+    std::atomic<bool> recorded{false};
+  };
+
+  static std::string_view name(Kind kind) noexcept {
+    switch (kind) {
+      case Kind::ready: return "ready";
+      case Kind::wait: return "wait";
+      case Kind::bucket: return "bucket";
+      case Kind::encode: return "encode";
+      case Kind::decode: return "decode";
+      case Kind::average: return "average";
+      case Kind::send: return "send";
+      case Kind::recv: return "recv";
+    }
+    return "?";
+  }
+
+  // A small number per thread, the same in every timeline of the process: the trace's tid.
+  static std::uint32_t lane() noexcept {
+    static std::atomic<std::uint32_t> lanes{0};
+    thread_local const std::uint32_t mine = lanes.fetch_add(1, std::memory_order_relaxed);
+    return mine;
+  }
+
+  std::string_view gradient_name(std::uint64_t id) const noexcept {
+    return id < gradient_names_.size() ? std::string_view(gradient_names_[id]) : std::string_view("?");
+  }
+
+  // A JSON string's contents: quotes, backslashes and control characters escaped.
+  static std::string escaped(std::string_view text) {
+    std::string out;
+    for (const char c : text) {
+      if (c == '"' || c == '\\')
+        out += {'\\', c};
+      else if (static_cast<unsigned char>(c) < 0x20)
+        out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
+      else
+        out += c;
+    }
+    return out;
+  }
+
+  std::string path_;
+  int rank_;
+  std::vector<Event> events_;
+  std::atomic<std::size_t> next_{0};
+  Clock::time_point start_;
+  std::vector<std::string> gradient_names_;
+};
+
+}  // namespace gradsync

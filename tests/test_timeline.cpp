@@ -1,0 +1,120 @@
+// The timeline (timeline.hpp): a 2-rank run writes one Chrome trace per rank, valid JSON with the
+// events the header promises, read back with nlohmann-json.
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gradsync/gradsync.hpp"
+#include "support.hpp"
+
+using namespace gradsync;
+using transport::InProcess;
+
+namespace {
+
+std::filesystem::path fresh_directory() {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("gradsync-timeline-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+}  // namespace
+
+TEST_SUITE("timeline") {
+  TEST_CASE("file names: the rank, and a group's name, before .json") {
+    CHECK(Timeline::rank_path("run/trace.json", "3") == "run/trace.3.json");
+    CHECK(Timeline::rank_path("trace", "0") == "trace.0.json");
+    CHECK(Timeline::rank_path("t.json", "1.machine-0") == "t.1.machine-0.json");
+  }
+
+  TEST_CASE_TEMPLATE("two ranks write a Chrome trace each: ready, wait, buckets, compute steps, transfers", Exec,
+                     std::integral_constant<Executor, Executor::task_graph>,
+                     std::integral_constant<Executor, Executor::serial>) {
+    constexpr int iterations = 3;
+    const auto dir = fresh_directory();
+    const std::string path = (dir / "trace.json").string();
+    const auto errors = test::run_ranks(2, [&](InProcess& t) {
+      std::vector<float> weight = test::random_values(5000, 7u + static_cast<unsigned>(t.rank()));
+      std::vector<float> bias(10, 1.0f);
+      Synchronizer<bucketing::PerTensor, compression::TwoBit, topology::Ring, InProcess> sync(
+          std::move(t), {.executor = Exec::value, .timeline = path});
+      sync.add("fc \"1\".weight", view(weight));  // a name that needs escaping in JSON
+      sync.add("fc1.bias", view(bias));
+      for (int i = 0; i < iterations; ++i) {
+        sync.ready(1);
+        sync.ready(0);
+        sync.wait();
+      }
+    });
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    for (int rank = 0; rank < 2; ++rank) {
+      CAPTURE(rank);
+      std::ifstream in(dir / ("trace." + std::to_string(rank) + ".json"));
+      REQUIRE(in);
+      const nlohmann::json trace = nlohmann::json::parse(in);  // throws if it is not JSON
+      REQUIRE(trace.contains("traceEvents"));
+      CHECK(trace["otherData"]["dropped"] == 0);
+      std::map<std::string, int> count;
+      std::multiset<std::string> ready_names;
+      std::vector<int> waited;
+      std::map<std::uint64_t, std::pair<double, double>> spans;  // async id: begin, end
+      std::uint64_t bytes_sent = 0;
+      for (const auto& e : trace["traceEvents"]) {
+        REQUIRE(e["pid"] == rank);
+        const std::string ph = e["ph"], name = e["name"];
+        if (ph == "M") continue;
+        CHECK(e["ts"].get<double>() >= 0);
+        ++count[ph == "e" ? name + " (end)" : name];
+        if (name == "ready") ready_names.insert(e["args"]["gradient"].get<std::string>());
+        if (name == "wait") {
+          CHECK(ph == "X");
+          waited.push_back(e["args"]["iteration"]);
+        }
+        if (ph == "b") spans[e["id"]].first = e["ts"];
+        if (ph == "e") spans[e["id"]].second = e["ts"];
+        if (ph == "b" && name.starts_with("send to")) {
+          CHECK(name == "send to " + std::to_string(1 - rank));
+          bytes_sent += e["args"]["bytes"].get<std::uint64_t>();
+        }
+      }
+      CHECK(ready_names.count("fc \"1\".weight") == iterations);
+      CHECK(ready_names.count("fc1.bias") == iterations);
+      CHECK(waited == std::vector<int>{0, 1, 2});
+      CHECK(count["bucket 0"] == iterations);  // one per bucket and iteration, begin and end
+      CHECK(count["bucket 0 (end)"] == iterations);
+      CHECK(count["bucket 1"] == iterations);
+      CHECK(count["encode"] > 0);
+      CHECK(count["decode"] > 0);
+      // A 2-rank ring: one send and one receive per bucket in each of its two phases.
+      CHECK(count["send to " + std::to_string(1 - rank)] == 2 * 2 * iterations);
+      CHECK(count["recv from " + std::to_string(1 - rank)] == 2 * 2 * iterations);
+      CHECK(bytes_sent > 0);
+      for (const auto& [id, span] : spans) CHECK(span.second >= span.first);
+    }
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("past its capacity a timeline counts what it drops") {
+    const auto dir = fresh_directory();
+    Timeline timeline((dir / "t.0.json").string(), 0, 4);
+    for (int i = 0; i < 10; ++i) timeline.record(Timeline::Kind::wait, timeline.now(), 0, static_cast<std::uint64_t>(i));
+    CHECK(timeline.recorded() == 4);
+    CHECK(timeline.dropped() == 6);
+    timeline.write();
+    std::ifstream in(dir / "t.0.json");
+    const nlohmann::json trace = nlohmann::json::parse(in);
+    CHECK(trace["otherData"]["dropped"] == 6);
+    CHECK(trace["traceEvents"].size() == 1 + 4);  // the process name, then the events kept
+    std::filesystem::remove_all(dir);
+  }
+}
