@@ -305,6 +305,7 @@ TEST_SUITE("async") {
     CHECK_THROWS_WITH_AS(alone.wait(-1), doctest::Contains("staleness -1"), Error);
     alone.wait(0);  // alone, the global gradient is its own
     CHECK(gradient == std::vector<float>(10, 1.0f));
+    CHECK(alone.last_step().bytes_sent == 0);  // its pushes, pulls and replies all went to itself
     alone.finish();
   }
 }

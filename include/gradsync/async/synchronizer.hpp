@@ -127,7 +127,7 @@ struct StepReport {
   std::uint64_t skipped_globals = 0;  // so far: global gradients this worker never got (pulled too late)
   std::uint64_t dropped_pushes = 0;  // this rank's server, so far: pushes that came after their iteration closed
   std::chrono::nanoseconds blocked{0};  // wait() blocked for a new enough global gradient
-  std::uint64_t bytes_sent = 0;         // by this rank since the wait() before (worker and server)
+  std::uint64_t bytes_sent = 0;         // by this rank to others since the wait() before (worker and server)
   std::uint64_t lost_workers = 0;       // ranks found dead so far (bit w = group rank w), left behind
 };
 
@@ -558,7 +558,7 @@ class Synchronizer final : private transport::CompletionSink {
       return;
     }
     posted_[i] = 1;
-    if (is_send) sent_ += bytes.size();
+    if (is_send && peer != group_.rank) sent_ += bytes.size();  // what goes to itself crosses no link
   }
 
   // A peer's failure, reported for a message to or from it: with quorum < N and the quorum still
