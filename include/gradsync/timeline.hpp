@@ -13,7 +13,10 @@
 //   send to P / recv from P   from posting to completion, with bucket and bytes (async tracks)
 // Recording writes one preallocated slot (an atomic increment and a few stores); nothing is
 // allocated or formatted until the file is written. Past `capacity` events the rest are counted,
-// not kept, and the file says how many were dropped.
+// not kept, and the file says how many were dropped. Times are the machine's monotonic clock
+// (steady_clock: CLOCK_MONOTONIC on Linux), so the files of ranks on one machine line up and can
+// be merged into one trace (their traceEvents concatenated; each rank is its own process, pid =
+// rank); ranks on different machines have different clocks.
 
 #include <algorithm>
 #include <atomic>
@@ -38,7 +41,7 @@ class Timeline {
   enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv };
 
   Timeline(std::string path, int rank, std::size_t capacity)
-      : path_(std::move(path)), rank_(rank), events_(capacity), start_(Clock::now()) {}
+      : path_(std::move(path)), rank_(rank), events_(capacity) {}
 
   Timeline(const Timeline&) = delete;
   Timeline& operator=(const Timeline&) = delete;
@@ -52,9 +55,9 @@ class Timeline {
     return fmt::format("{}.{}.json", path, tag);
   }
 
-  // Nanoseconds since this timeline began.
-  std::int64_t now() const noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count();
+  // Nanoseconds on the machine's monotonic clock.
+  static std::int64_t now() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
   }
 
   // One event from `start` (now(), taken when it began) to now. `detail`: the gradient id
@@ -147,7 +150,7 @@ class Timeline {
   using Clock = std::chrono::steady_clock;
 
   struct Event {
-    std::int64_t start = 0, end = 0;  // ns since the timeline began
+    std::int64_t start = 0, end = 0;  // ns on the monotonic clock
     std::uint64_t detail = 0;
     std::uint32_t bucket = 0;
     std::int32_t peer = -1;
@@ -199,7 +202,6 @@ class Timeline {
   int rank_;
   std::vector<Event> events_;
   std::atomic<std::size_t> next_{0};
-  Clock::time_point start_;
   std::vector<std::string> gradient_names_;
 };
 
