@@ -801,6 +801,11 @@ TEST_SUITE("synchronizer") {
                          doctest::Contains("coordinated sends need the task-graph executor"), Error);
     CHECK_THROWS_WITH_AS(PerTensorSync(std::move(more[1]), {.coordination = {.enabled = true, .window = 0}}),
                          doctest::Contains("coordination window is 0"), Error);
+    auto third = InProcess::create_world(2);
+    CHECK_THROWS_WITH_AS(PerTensorSync(std::move(third[0]), {.timeline_events = 0}),
+                         doctest::Contains("timeline_events is 0"), Error);
+    CHECK_THROWS_WITH_AS(PerTensorSync(std::move(third[1]), {.timeline_events = Timeline::max_capacity + 1}),
+                         doctest::Contains("timeline_events is"), Error);
   }
 
   TEST_CASE("try_wait polls without blocking, and an empty layout still completes") {

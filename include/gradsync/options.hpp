@@ -57,7 +57,7 @@ struct Options {
   // Synchronizer is destroyed to this path with the rank inserted; empty: the environment's
   // GRADSYNC_TIMELINE if set, else no timeline.
   std::string timeline{};
-  std::size_t timeline_events = std::size_t{1} << 18;  // kept at most (40 bytes each); later ones are dropped
+  std::size_t timeline_events = std::size_t{1} << 18;  // kept at most (40 bytes each; 1 to 2^27); later ones are dropped
 };
 
 // What the last completed iteration cost this rank.

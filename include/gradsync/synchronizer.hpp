@@ -112,6 +112,10 @@ class Synchronizer {
       throw Error(ErrorKind::invalid_argument, here("options"),
                   fmt::format("coordination window is {}; at least one batch per link must be allowed",
                               options_.coordination.window));
+    if (options_.timeline_events < 1 || options_.timeline_events > Timeline::max_capacity)
+      throw Error(ErrorKind::invalid_argument, here("options"),
+                  fmt::format("timeline_events is {}; it must be between 1 and {}", options_.timeline_events,
+                              Timeline::max_capacity));
     open_timeline();
   }
 

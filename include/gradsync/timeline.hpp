@@ -39,6 +39,7 @@ namespace gradsync {
 class Timeline {
  public:
   enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv };
+  static constexpr std::size_t max_capacity = std::size_t{1} << 27;  // 5 GiB of events: a setting's bound
 
   Timeline(std::string path, int rank, std::size_t capacity)
       : path_(std::move(path)), rank_(rank), events_(capacity) {}
