@@ -25,6 +25,10 @@
 
 namespace gradsync {
 
+namespace cuda {
+class Stream;
+}
+
 // ---------------------------------------------------------------------------------------------
 // BucketingPolicy: which gradients travel together, in what order.
 //
@@ -159,6 +163,14 @@ concept PipelineTopology = TopologyPolicy<T> && requires(T t, const T& ct, const
   t.chunk_elements = elements;
 };
 
+// PairOrderedTopology: a topology whose schedules post, for every pair of ranks, the messages one
+// sends the other in the order the other posts its receives for them, with the same sizes
+// (static constexpr bool posts_pairs_in_order = true). A transport that matches messages by order
+// instead of by tag (transport::Nccl: NCCL has no tags) runs only such a topology; tests/
+// test_topology.cpp checks the property for those that claim it.
+template <class T>
+concept PairOrderedTopology = TopologyPolicy<T> && requires { requires T::posts_pairs_in_order; };
+
 // ---------------------------------------------------------------------------------------------
 // TransportPolicy: moves bytes between ranks; full duplex, tagged, non-blocking.
 //
@@ -217,6 +229,15 @@ template <class X>
 concept TransportAllocator = TransportPolicy<X> && requires(X& x, std::size_t bytes, std::span<std::byte> block) {
   { x.allocate(bytes) } -> std::same_as<std::span<std::byte>>;
   x.deallocate(block);
+};
+
+// A transport of device memory (transport::Nccl): its allocate() hands out memory of one CUDA
+// device, where the Synchronizer then keeps its buckets and scratch slots, and every compute step
+// (packing, the codecs, adding, averaging) runs as kernels on its cuda_stream(), which it also
+// orders its transfers on (engine/exchange.hpp). cuda::Stream is in gradsync/cuda/codecs.hpp.
+template <class X>
+concept DeviceTransport = TransportAllocator<X> && requires(X& x) {
+  { x.cuda_stream() } -> std::same_as<cuda::Stream&>;
 };
 
 // A transport that can add what it receives to the values already there:

@@ -55,6 +55,10 @@ namespace gradsync {
 
 template <BucketingPolicy B, CompressionPolicy C, TopologyPolicy T, TransportPolicy X>
 class Synchronizer {
+  static_assert(!DeviceTransport<X> || PairOrderedTopology<T>,
+                "a device transport (transport::Nccl) matches messages by order, not by tag: its topology must "
+                "post each pair's messages in one order on both sides (PairOrderedTopology: topology::Ring)");
+
  public:
   using Bucketing = B;
   using Compression = C;
@@ -108,6 +112,19 @@ class Synchronizer {
                               topology_.describe()));
     if (options_.coordination.enabled && options_.executor != Executor::task_graph)
       throw Error(ErrorKind::invalid_argument, here("options"), "coordinated sends need the task-graph executor");
+    if constexpr (DeviceTransport<X>) {
+      // Coordination needs the task graph, which a device transport does not run (Executor::serial).
+      if (options_.coordination.enabled)
+        throw Error(ErrorKind::unsupported, here("options"),
+                    fmt::format("coordinated sends need the task-graph executor, and over {} buckets run serially",
+                                transport_.describe()));
+      // Calibration times control messages, which a device transport sends another way.
+      if (options_.selective_compression)
+        throw Error(ErrorKind::unsupported, here("options"),
+                    fmt::format("selective compression cannot calibrate over {}: its control messages take "
+                                "TCP, not the device path",
+                                transport_.describe()));
+    }
     if (options_.coordination.enabled && options_.coordination.window < 1)
       throw Error(ErrorKind::invalid_argument, here("options"),
                   fmt::format("coordination window is {}; at least one batch per link must be allowed",
@@ -164,9 +181,10 @@ class Synchronizer {
                               name, codec_.describe()));
     const bool on_device = gradient.device != Device::cpu();
     if (on_device) detail::check_device_gradient(name, gradient, here("add"));
+    if constexpr (DeviceTransport<X>) check_for_device_transport(name, gradient);
     layout_.push_back({std::move(name), gradient.count, gradient.dtype, gradient.device});
     views_.push_back(gradient);
-    staging_.push_back(on_device && gradient.dtype != accumulation_dtype(gradient.dtype)
+    staging_.push_back(on_device && !DeviceTransport<X> && gradient.dtype != accumulation_dtype(gradient.dtype)
                            ? detail::HostStaging(gradient.bytes())
                            : detail::HostStaging());
     return static_cast<GradId>(layout_.size() - 1);
@@ -297,7 +315,7 @@ class Synchronizer {
         for (const auto& gradient : layout_) names.push_back(gradient.name);
         timeline_->name_gradients(std::move(names));
       }
-      if (options_.executor == Executor::task_graph)
+      if (options_.executor == Executor::task_graph && !DeviceTransport<X>)
         engine_ = std::make_unique<engine::TaskGraph<C, X>>(
             transport_, codec_, group_, options_.compute_threads, options_.timeout,
             typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },
@@ -339,11 +357,14 @@ class Synchronizer {
         slots[id] = {static_cast<std::uint32_t>(b), bucket.elements};
         bucket.elements += layout_[id].count;
       }
+      // Over a device transport every gradient is in its device's memory (add() checks), as the
+      // bucket storage is.
       bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype &&
-                        views_[ids.front()].device == Device::cpu();
+                        (DeviceTransport<X> || views_[ids.front()].device == Device::cpu());
       if (!bucket.in_place) {
         bucket.storage = detail::TransportBuffer<X>(&transport_, bucket.elements * size_of(bucket.dtype));
-        if (std::any_of(ids.begin(), ids.end(), [&](GradId id) { return views_[id].device != Device::cpu(); }))
+        if (!DeviceTransport<X> &&
+            std::any_of(ids.begin(), ids.end(), [&](GradId id) { return views_[id].device != Device::cpu(); }))
           bucket.pinned = detail::PinnedRange(bucket.storage.data(), bucket.elements * size_of(bucket.dtype));
       }
       void* data = bucket.in_place ? views_[ids.front()].data : bucket.storage.data();
@@ -495,8 +516,7 @@ class Synchronizer {
     if (timeline_) bucket.traced_start = timeline_->now();
     if (!bucket.in_place) {
       const auto started = std::chrono::steady_clock::now();
-      for (GradId id : plan_.buckets[b])
-        detail::load_gradient<V>(views_[id], values.subspan(slots_[id].offset, layout_[id].count), staging_[id]);
+      for (GradId id : plan_.buckets[b]) pack(id, values.subspan(slots_[id].offset, layout_[id].count));
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
     if (engine_) return engine_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
@@ -524,17 +544,58 @@ class Synchronizer {
     }
   }
 
+  // Gradient `id`'s values into its place in a bucket: with a device transport a copy queued on
+  // its stream (the gradient is complete when ready() is called), else detail::load_gradient.
+  template <class V>
+  void pack(GradId id, std::span<V> into) {
+#if GRADSYNC_HAS_CUDA
+    if constexpr (DeviceTransport<X>)
+      return cuda::copy(into.data(), views_[id].data, into.size_bytes(), transport_.cuda_stream());
+#endif
+    detail::load_gradient<V>(views_[id], into, staging_[id]);
+  }
+
   // Writes bucket `b`'s averages into its gradients (nothing to do for a bucket reduced in place).
+  // With a device transport, the copies are queued on its stream and waited for here, so the
+  // gradients hold their averages (and the stream's work is done) when the bucket is finished.
   void copy_back(std::size_t b) {
-    if (buckets_[b].in_place) return;
     std::visit(
         [&](auto values) {
           using V = typename decltype(values)::value_type;
-          for (GradId id : plan_.buckets[b])
-            detail::store_gradient<V>(std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count)),
-                                      views_[id], staging_[id]);
+          for (GradId id : plan_.buckets[b]) {
+            if (buckets_[b].in_place) break;
+            const auto from = std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count));
+#if GRADSYNC_HAS_CUDA
+            if constexpr (DeviceTransport<X>) {
+              cuda::copy(views_[id].data, from.data(), from.size_bytes(), transport_.cuda_stream());
+              continue;
+            }
+#endif
+            detail::store_gradient<V>(from, views_[id], staging_[id]);
+          }
         },
         buckets_[b].values);
+#if GRADSYNC_HAS_CUDA
+    if constexpr (DeviceTransport<X>) transport_.cuda_stream().synchronize();
+#endif
+  }
+
+  // add()'s checks for a device transport: the gradient is f32 in the memory of its device.
+  void check_for_device_transport(const std::string& name, const TensorView& gradient) {
+#if GRADSYNC_HAS_CUDA
+    const int device = transport_.cuda_stream().device();
+    if (gradient.device != Device::cuda(device))
+      throw Error(ErrorKind::invalid_argument, here("add"),
+                  fmt::format("gradient {:?} is on {}; over {} every gradient must be in the memory of cuda:{}",
+                              name, to_string(gradient.device), transport_.describe(), device));
+    if (gradient.dtype != DType::f32)
+      throw Error(ErrorKind::unsupported, here("add"),
+                  fmt::format("gradient {:?} is {}; over {} gradients are f32 (the device path has no 16-bit or "
+                              "f64 packing yet)",
+                              name, to_string(gradient.dtype), transport_.describe()));
+#else
+    (void)name, (void)gradient;
+#endif
   }
 
   void tally(const engine::ExchangeStats& e) {

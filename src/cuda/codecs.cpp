@@ -244,4 +244,21 @@ void negate(float* values, std::size_t n, Stream& stream) {
   check(kernels::negate(values, n, stream.native()), "negate");
 }
 
+void divide(float* values, std::size_t n, float divisor, Stream& stream) {
+  use(stream);
+  check(kernels::divide(values, n, divisor, stream.native()), "average");
+}
+
+void fill_zero(void* device, std::size_t bytes, Stream& stream) {
+  if (bytes == 0) return;
+  use(stream);
+  check(cudaMemsetAsync(device, 0, bytes, static_cast<cudaStream_t>(stream.native())), "fill zero");
+}
+
+void copy(void* to, const void* from, std::size_t bytes, Stream& stream) {
+  if (bytes == 0) return;
+  use(stream);
+  check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream.native())), "copy");
+}
+
 }  // namespace gradsync::cuda

@@ -355,6 +355,11 @@ __global__ void negate_kernel(float* values, std::size_t n) {
   if (i < n) values[i] = -values[i];
 }
 
+__global__ void divide_kernel(float* values, std::size_t n, float divisor) {
+  const std::size_t i = thread_index();
+  if (i < n) values[i] = __fdiv_rn(values[i], divisor);  // IEEE division, as the host's v /= n
+}
+
 }  // namespace
 
 namespace {
@@ -495,6 +500,12 @@ int accumulate(float* residual, const float* in, std::size_t n, void* stream) {
 int negate(float* values, std::size_t n, void* stream) {
   if (n == 0) return 0;
   negate_kernel<<<blocks_for(n), threads, 0, native(stream)>>>(values, n);
+  return launched();
+}
+
+int divide(float* values, std::size_t n, float divisor, void* stream) {
+  if (n == 0) return 0;
+  divide_kernel<<<blocks_for(n), threads, 0, native(stream)>>>(values, n, divisor);
   return launched();
 }
 

@@ -41,6 +41,7 @@ int decode_random_k(const std::byte* in, std::size_t n, std::size_t k, float* ou
 
 int accumulate(float* residual, const float* in, std::size_t n, void* stream);
 int negate(float* values, std::size_t n, void* stream);
+int divide(float* values, std::size_t n, float divisor, void* stream);
 
 // Doubles of scratch OneBit's sum tree needs for n values: every level's partial sums.
 std::size_t sum_tree_size(std::size_t n);

@@ -89,6 +89,12 @@ void decode(const compression::RandomK&, const std::byte* in, std::size_t bytes,
 void accumulate(float* residual, const float* in, std::size_t n, Stream&);
 // values[i] = -values[i], on the stream.
 void negate(float* values, std::size_t n, Stream&);
+// values[i] /= divisor, rounded as the host's division (an average's last step), on the stream.
+void divide(float* values, std::size_t n, float divisor, Stream&);
+// `bytes` zero bytes at `device`, on the stream.
+void fill_zero(void* device, std::size_t bytes, Stream&);
+// `bytes` bytes from `from` to `to`, either in device or page-locked host memory, on the stream.
+void copy(void* to, const void* from, std::size_t bytes, Stream&);
 
 // ErrorFeedback on the device: encodes in + residual into `out` and leaves in residual what the
 // encoding cut off, bit for bit as ErrorFeedback<C> on the CPU. TwoBit, OneBit and RandomK in

@@ -26,6 +26,14 @@
 // memory, falls back to the slot. Only a receive that is the first step of its schedule to touch
 // its range qualifies: posted early, it adds while the schedule runs, so nothing else may read or
 // write those values until its add step.
+//
+// On a device transport (DeviceTransport, concepts.hpp: transport::Nccl) the bucket and the slots
+// are device memory, and compute() queues each step as kernels on the transport's stream: the
+// device codecs (cuda/codecs.hpp, the CPU codecs' bits), their fused error feedback with a device
+// residual per encode step, a kernel add for plain values and a kernel division for the average.
+// The transport orders its transfers on the same stream, so a send follows its encode without the
+// host waiting; the host waits only where the serial executor waits for a receive. f32 buckets
+// only, and codecs with a device path (not TopK); the constructor says so otherwise.
 
 #include <algorithm>
 #include <chrono>
@@ -43,6 +51,11 @@
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/timeline.hpp"
+#include "gradsync/version.hpp"
+#if GRADSYNC_HAS_CUDA
+#include "gradsync/compression/error_feedback.hpp"
+#include "gradsync/cuda/codecs.hpp"
+#endif
 
 namespace gradsync::engine {
 
@@ -100,6 +113,26 @@ constexpr std::string_view name(Step::Op op) noexcept {
   return "step";
 }
 
+#if GRADSYNC_HAS_CUDA
+template <class C>
+struct ErrorFeedbackOf : std::false_type {};
+template <class Inner>
+struct ErrorFeedbackOf<compression::ErrorFeedback<Inner>> : std::true_type {
+  using inner = Inner;
+};
+
+// Whether codec C has kernels (cuda/codecs.hpp), so that the device path can run it.
+template <class C>
+constexpr bool has_device_codec() {
+  if constexpr (C::identity) return true;
+  else if constexpr (ErrorFeedbackOf<C>::value) return has_device_codec<typename ErrorFeedbackOf<C>::inner>();
+  else
+    return requires(const C& codec, typename C::State& state, const float* in, std::byte* out, cuda::Stream& stream) {
+      cuda::encode(codec, state, in, std::size_t{}, out, stream);
+    };
+}
+#endif
+
 template <CompressionPolicy C, TransportPolicy X>
 class BucketExchange {
  public:
@@ -143,6 +176,7 @@ class BucketExchange {
     for (const Step& step : schedule_.steps)
       states_.push_back(codec.make_state(step.op == Step::Op::encode && !raw_slot(step.slot) ? step.range.size() : 0, dtype));
     if constexpr (TransportAdder<X>) find_adds_on_receive(C::identity);
+    if constexpr (DeviceTransport<X>) prepare_device(codec, dtype, transport);
   }
 
   // Records this bucket's steps in `timeline` from now on (the Synchronizer's, if it keeps one).
@@ -275,7 +309,9 @@ class BucketExchange {
   template <class T>
   void compute_step(std::size_t index, std::span<T> values, const C& codec) {
     const Step& step = schedule_.steps[index];
-    if constexpr (!CodecFor<C, T>) {
+    if constexpr (DeviceTransport<X>) {
+      compute_on_device(index, values, codec);
+    } else if constexpr (!CodecFor<C, T>) {
       // Executors visit both dtypes of BucketValues, so this is compiled for f64 even when C has
       // only the f32 path; the Synchronizer's add() keeps f64 buckets away from such a codec.
       throw Error(ErrorKind::unsupported, {.operation = std::string(name(step.op))},
@@ -307,6 +343,87 @@ class BucketExchange {
         case Step::Op::recv: break;
       }
     }
+  }
+
+  // The device path (the top of this file): the transport's stream, and a zeroed residual per
+  // encode step for error feedback.
+  void prepare_device(const C& codec, DType dtype, X* transport) {
+#if GRADSYNC_HAS_CUDA
+    if (!transport)
+      throw Error(ErrorKind::invalid_argument, {.operation = "exchange"},
+                  "an exchange over a device transport needs the transport, for its memory and stream");
+    if (dtype != DType::f32)
+      throw Error(ErrorKind::unsupported, {.operation = "exchange"},
+                  fmt::format("{} buckets over {}: the device path reduces f32 only", to_string(dtype),
+                              transport->describe()));
+    if (!has_device_codec<C>())
+      throw Error(ErrorKind::unsupported, {.operation = "exchange"},
+                  fmt::format("codec {} has no device path (cuda/codecs.hpp), so it cannot run over {}",
+                              codec.describe(), transport->describe()));
+    device_stream_ = &transport->cuda_stream();
+    if constexpr (ErrorFeedbackOf<C>::value) {
+      residual_offset_.assign(schedule_.steps.size(), 0);
+      std::size_t total = 0;
+      for (std::size_t i = 0; i < schedule_.steps.size(); ++i)
+        if (schedule_.steps[i].op == Step::Op::encode && !raw_slot(schedule_.steps[i].slot)) {
+          residual_offset_[i] = total;
+          total += detail::align_up(schedule_.steps[i].range.size() * sizeof(float));
+        }
+      residuals_ = detail::TransportBuffer<X>(transport, total);
+      cuda::fill_zero(residuals_.data(), total, *device_stream_);
+    }
+#else
+    (void)codec, (void)dtype, (void)transport;
+#endif
+  }
+
+  // compute_step() on the device (the top of this file): queued on the transport's stream.
+  template <class T>
+  void compute_on_device(std::size_t index, std::span<T> values, const C& codec) {
+#if GRADSYNC_HAS_CUDA
+    const Step& step = schedule_.steps[index];
+    if constexpr (std::is_same_v<T, float> && has_device_codec<C>()) {
+      cuda::Stream& stream = *device_stream_;
+      const auto range = values.subspan(step.range.begin, step.range.size());
+      const std::size_t n = range.size();
+      if (step.op == Step::Op::average)
+        return cuda::divide(range.data(), n, static_cast<float>(schedule_.contributors), stream);
+      const bool raw = C::identity || raw_slot(step.slot);
+      std::byte* slot = scratch_.data() + slot_offset_[step.slot];
+      if (step.op == Step::Op::encode) {
+        if (raw) {
+          cuda::copy(slot, range.data(), range.size_bytes(), stream);
+          slot_bytes_[step.slot] = range.size_bytes();
+        } else if constexpr (ErrorFeedbackOf<C>::value) {
+          auto* residual = reinterpret_cast<float*>(residuals_.data() + residual_offset_[index]);
+          slot_bytes_[step.slot] =
+              cuda::encode_with_feedback(codec.codec, states_[index].inner, range.data(), residual, n, slot, stream);
+        } else if constexpr (!C::identity) {
+          slot_bytes_[step.slot] = cuda::encode(codec, states_[index], range.data(), n, slot, stream);
+        }
+        return;
+      }
+      const bool add = step.op == Step::Op::decode_add;
+      const std::size_t bytes = slot_bytes_[step.slot];
+      if (raw) {
+        if (bytes != range.size_bytes())
+          throw Error(ErrorKind::protocol, {.operation = "recv"},
+                      fmt::format("expected {} bytes of uncompressed values, got {}", range.size_bytes(), bytes));
+        if (add) cuda::accumulate(range.data(), reinterpret_cast<const float*>(slot), n, stream);
+        else cuda::copy(range.data(), slot, bytes, stream);
+      } else if constexpr (ErrorFeedbackOf<C>::value) {
+        cuda::decode(codec.codec, slot, bytes, range.data(), n, add ? DecodeMode::add : DecodeMode::overwrite, stream);
+      } else if constexpr (!C::identity) {
+        cuda::decode(codec, slot, bytes, range.data(), n, add ? DecodeMode::add : DecodeMode::overwrite, stream);
+      }
+    } else {
+      // Compiled for both dtypes of BucketValues; prepare_device() refused what this cannot run.
+      throw Error(ErrorKind::unsupported, {.operation = std::string(name(step.op))},
+                  fmt::format("codec {} on {} values has no device path", codec.describe(), to_string(dtype_of<T>())));
+    }
+#else
+    (void)index, (void)values, (void)codec;
+#endif
   }
 
   std::span<std::byte> capacity(std::uint32_t slot) const {
@@ -394,6 +511,9 @@ class BucketExchange {
   std::vector<std::uint8_t> adds_on_receive_;  // per receive: may be posted as recv_add
   std::vector<std::uint8_t> added_;            // per receive: was, this time
   std::vector<typename C::State> states_;      // one per step; encode steps get real state
+  cuda::Stream* device_stream_ = nullptr;      // device path: the transport's stream
+  detail::TransportBuffer<X> residuals_;       // device path, error feedback: residuals of the encode steps
+  std::vector<std::size_t> residual_offset_;   // ... where each encode step's starts
   Timeline* timeline_ = nullptr;               // trace(): where steps are recorded, if anywhere
   std::uint32_t traced_bucket_ = 0;
   std::vector<std::int64_t> posted_at_;        // per transfer, with a timeline: when it was posted

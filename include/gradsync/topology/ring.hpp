@@ -33,6 +33,9 @@ namespace gradsync::topology {
 
 struct Ring {
   std::size_t chunk_elements = std::size_t{1} << 18;  // 1 MiB of f32
+  // Each rank sends only to its right and receives only from its left, step by step and piece by
+  // piece, so both ends of a pair post its messages in one order (PairOrderedTopology).
+  static constexpr bool posts_pairs_in_order = true;
 
   std::string describe() const { return fmt::format("ring(chunk={})", chunk_elements); }
 
