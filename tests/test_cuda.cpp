@@ -103,16 +103,59 @@ void check_codec_matches(const C& codec) {
       const auto back = device_out.host();
       for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(back[i], host_out[i]));
     }
-    // A header that does not match the destination is refused before any kernel runs.
-    const DeviceVector<float> other(n + 1);
-    CHECK_THROWS_AS(cuda::decode(codec, device_bytes.data, codec.max_encoded_bytes(n, DType::f32), other.data, n + 1,
-                                 DecodeMode::overwrite, stream),
+    // A header that does not match the destination is refused and nothing is written: a size
+    // that does not fit at once, on the host; the rest by the kernel, thrown by synchronize().
+    const DeviceVector<float> other(test::random_values(n + 1, 9));
+    const auto before = other.host();
+    CHECK_THROWS_AS((cuda::decode(codec, device_bytes.data, codec.max_encoded_bytes(n, DType::f32), other.data, n + 1,
+                                  DecodeMode::overwrite, stream),
+                     stream.synchronize()),
                     Error);
+    const auto after = other.host();
+    CHECK(std::memcmp(before.data(), after.data(), before.size() * sizeof(float)) == 0);
   }
 }
 }  // namespace
 
 TEST_SUITE("cuda") {
+  TEST_CASE("a wrong header is found on the device: nothing written, thrown by synchronize(), stream fine after" *
+            doctest::skip(no_device)) {
+    // 1000 and 1001 two-bit values take the same bytes, so only the header's count differs.
+    const compression::TwoBit codec;
+    const auto in = test::random_values(1000, 4);
+    const DeviceVector<float> device_in(in);
+    DeviceVector<std::byte> encoded(codec.max_encoded_bytes(1000, DType::f32));
+    REQUIRE(encoded.size == codec.max_encoded_bytes(1001, DType::f32));
+    cuda::Stream stream;
+    compression::TwoBit::State state;
+    cuda::encode(codec, state, device_in.data, 1000, encoded.data, stream);
+    const DeviceVector<float> wrong(test::random_values(1001, 5));
+    const auto before = wrong.host();
+    cuda::decode(codec, encoded.data, encoded.size, wrong.data, 1001, DecodeMode::add, stream);  // queued, no wait
+    try {
+      stream.synchronize();
+      FAIL("the wrong count was not reported");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::protocol);
+      CHECK_MESSAGE(std::string(e.what()).find("1000 values, where codec 3, format version 1, 1001 values") !=
+                        std::string::npos,
+                    e.what());
+    }
+    const auto after = wrong.host();
+    CHECK(std::memcmp(before.data(), after.data(), before.size() * sizeof(float)) == 0);
+    // The report is taken: the same stream decodes the right destination and synchronizes cleanly.
+    const DeviceVector<float> right(std::vector<float>(1000));
+    cuda::decode(codec, encoded.data, encoded.size, right.data, 1000, DecodeMode::overwrite, stream);
+    stream.synchronize();
+    std::vector<float> expected(1000);
+    std::vector<std::byte> host_encoded(encoded.size);
+    compression::TwoBit::State host_state;
+    codec.encode(std::span<const float>(in), host_state, host_encoded);
+    codec.decode(host_encoded, std::span<float>(expected), DecodeMode::overwrite);
+    const auto decoded = right.host();
+    for (std::size_t i = 0; i < expected.size(); ++i) REQUIRE(same_bits(decoded[i], expected[i]));
+  }
+
   TEST_CASE("f16 and bf16 conversions give the host's bits on the device" * doctest::skip(no_device)) {
     // Every 16-bit pattern as a float, plus random values, ties, extremes and specials.
     std::vector<float> in = test::random_values(1 << 18, 11);

@@ -43,6 +43,22 @@ void check_device_header(const std::byte* in, std::size_t bytes, compression::Co
   compression::check_header(std::span<const std::byte>(header).first(copied), bytes, id, codec, n, payload);
 }
 
+// Checks what the host knows of an encoding (its size, against the codec and the destination)
+// and returns the header the decode kernel must find on the device (kernels::HeaderCheck).
+std::uint64_t expected_header(std::size_t bytes, compression::CodecId id, const char* codec, std::size_t n,
+                              std::size_t payload) {
+  if (bytes != compression::header_bytes + payload)
+    throw Error(ErrorKind::protocol, {.operation = "decode"},
+                fmt::format("{} codec: {} bytes for {} values, expected {}", codec, bytes, n,
+                            compression::header_bytes + payload));
+  return header_word(id, n);
+}
+
+// What a header word says, for the message of a mismatch found on the device.
+std::string describe_header(std::uint64_t word) {
+  return fmt::format("codec {}, format version {}, {} values", word & 0xff, (word >> 8) & 0xff, word >> 32);
+}
+
 // Makes the stream's device current on the calling thread (which may not be the one that made
 // the stream: a Synchronizer's communication thread, say).
 void use(const Stream& stream) { check(cudaSetDevice(stream.device()), "set device"); }
@@ -55,6 +71,8 @@ struct Stream::Impl {
   double* sums = nullptr;  // OneBit's sum tree
   std::size_t sums_capacity = 0;
   float* parameter = nullptr;  // a run's parameter computed on the device (a scale)
+  kernels::HeaderCheck* check = nullptr;         // mapped host memory: what decode kernels found
+  kernels::HeaderCheck* check_device = nullptr;  // ... as the device addresses it
 };
 
 int device_count() {
@@ -68,7 +86,12 @@ Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
     check(cudaSetDevice(device), "stream");
     check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "stream");
     check(cudaMalloc(&impl_->parameter, sizeof(float)), "stream");
+    check(cudaHostAlloc(&impl_->check, sizeof(kernels::HeaderCheck), cudaHostAllocMapped), "stream");
+    *impl_->check = {};
+    check(cudaHostGetDevicePointer(&impl_->check_device, impl_->check, 0), "stream");
   } catch (...) {
+    cudaFree(impl_->parameter);
+    cudaFreeHost(impl_->check);
     if (impl_->stream) cudaStreamDestroy(impl_->stream);
     throw;
   }
@@ -78,12 +101,22 @@ Stream::~Stream() {
   cudaStreamSynchronize(impl_->stream);
   cudaFree(impl_->sums);
   cudaFree(impl_->parameter);
+  cudaFreeHost(impl_->check);
   cudaStreamDestroy(impl_->stream);
 }
 
 int Stream::device() const noexcept { return impl_->device; }
 void* Stream::native() const noexcept { return impl_->stream; }
-void Stream::synchronize() { check(cudaStreamSynchronize(impl_->stream), "synchronize"); }
+void Stream::synchronize() {
+  check(cudaStreamSynchronize(impl_->stream), "synchronize");
+  if (!impl_->check->failed) return;
+  const kernels::HeaderCheck found = *impl_->check;
+  *impl_->check = {};
+  throw Error(ErrorKind::protocol, {.operation = "decode"},
+              fmt::format("a decode on cuda:{} met an encoding whose header says {}, where {} was expected; that "
+                          "decode wrote nothing",
+                          impl_->device, describe_header(found.found), describe_header(found.expected)));
+}
 
 void Stream::reserve(std::size_t values) {
   const std::size_t needed = kernels::sum_tree_size(values);
@@ -144,9 +177,13 @@ std::size_t encode_with_feedback(const compression::TwoBit& codec, compression::
 void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
   use(stream);
-  check_device_header(in, bytes, compression::CodecId::two_bit, "two-bit", n, 4 + compression::Packed<2>::words(n) * 4,
-                      stream);
-  check(kernels::decode_two_bit(in, n, out, mode == DecodeMode::add, stream.native()), "decode");
+  if (n == 0)  // no kernel to look at the header: the host does
+    return check_device_header(in, bytes, compression::CodecId::two_bit, "two-bit", n, 4, stream);
+  const std::uint64_t header =
+      expected_header(bytes, compression::CodecId::two_bit, "two-bit", n, 4 + compression::Packed<2>::words(n) * 4);
+  check(kernels::decode_two_bit(in, n, out, mode == DecodeMode::add, header, stream.impl().check_device,
+                                stream.native()),
+        "decode");
 }
 
 std::size_t encode(const compression::OneBit&, compression::OneBit::State&, const float* in, std::size_t n,
@@ -170,9 +207,13 @@ std::size_t encode_with_feedback(const compression::OneBit&, compression::OneBit
 void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
   use(stream);
-  check_device_header(in, bytes, compression::CodecId::one_bit, "one-bit", n, 4 + compression::Packed<1>::words(n) * 4,
-                      stream);
-  check(kernels::decode_one_bit(in, n, out, mode == DecodeMode::add, stream.native()), "decode");
+  if (n == 0)  // no kernel to look at the header: the host does
+    return check_device_header(in, bytes, compression::CodecId::one_bit, "one-bit", n, 4, stream);
+  const std::uint64_t header =
+      expected_header(bytes, compression::CodecId::one_bit, "one-bit", n, 4 + compression::Packed<1>::words(n) * 4);
+  check(kernels::decode_one_bit(in, n, out, mode == DecodeMode::add, header, stream.impl().check_device,
+                                stream.native()),
+        "decode");
 }
 
 template <unsigned Bits>
@@ -190,8 +231,13 @@ void decode(const compression::TernGrad<Bits>&, const std::byte* in, std::size_t
             DecodeMode mode, Stream& stream) {
   use(stream);
   using Layout = typename compression::TernGrad<Bits>::Layout;
-  check_device_header(in, bytes, compression::CodecId::terngrad, "terngrad", n, 4 + Layout::words(n) * 4, stream);
-  check(kernels::decode_terngrad(Bits, in, n, out, mode == DecodeMode::add, stream.native()), "decode");
+  if (n == 0)  // no kernel to look at the header: the host does
+    return check_device_header(in, bytes, compression::CodecId::terngrad, "terngrad", n, 4, stream);
+  const std::uint64_t header =
+      expected_header(bytes, compression::CodecId::terngrad, "terngrad", n, 4 + Layout::words(n) * 4);
+  check(kernels::decode_terngrad(Bits, in, n, out, mode == DecodeMode::add, header, stream.impl().check_device,
+                                 stream.native()),
+        "decode");
 }
 
 template std::size_t encode(const compression::TernGrad<2>&, compression::TernGrad<2>::State&, const float*,

@@ -220,11 +220,24 @@ __global__ void pack(std::size_t n, std::byte* out, std::uint64_t header, const 
 // Four values a thread, all in one word (a word holds 32/Bits values, a multiple of four);
 // `vector`: out is 16-byte aligned.
 template <unsigned Bits, class Value>
-__global__ void unpack(const std::byte* in, std::size_t n, float* out, bool add, bool vector, Value value) {
+__global__ void unpack(const std::byte* in, std::size_t n, float* out, bool add, bool vector, Value value,
+                       std::uint64_t header, HeaderCheck* check) {
   using Codes = compression::PackedCodes<Bits>;
   static_assert(Codes::per_word % per_thread == 0);
   const std::size_t q = thread_index(), first = q * per_thread;
   if (first >= n) return;
+  // Every thread reads the same 8 bytes (one transaction a warp, then cached), so a wrong
+  // encoding writes nothing and the host never waits for the header.
+  const std::uint64_t found = *reinterpret_cast<const std::uint64_t*>(in);
+  if (found != header) {
+    if (q == 0) {
+      check->found = found;
+      check->expected = header;
+      __threadfence_system();
+      check->failed = 1;
+    }
+    return;
+  }
   const float parameter = *reinterpret_cast<const float*>(in + compression::header_bytes);
   const std::uint32_t word =
       reinterpret_cast<const std::uint32_t*>(in + compression::header_bytes + 4)[first / Codes::per_word];
@@ -247,9 +260,11 @@ int pack_on(std::size_t n, std::byte* out, std::uint64_t header, const float* de
 }
 
 template <unsigned Bits, class Value>
-int unpack_on(const std::byte* in, std::size_t n, float* out, bool add, Value value, void* stream) {
+int unpack_on(const std::byte* in, std::size_t n, float* out, bool add, Value value, std::uint64_t header,
+              HeaderCheck* check, void* stream) {
   if (n == 0) return 0;
-  unpack<Bits><<<blocks_for_quads(n), threads, 0, native(stream)>>>(in, n, out, add, aligned(out, 16), value);
+  unpack<Bits><<<blocks_for_quads(n), threads, 0, native(stream)>>>(in, n, out, add, aligned(out, 16), value, header,
+                                                                     check);
   return launched();
 }
 
@@ -456,17 +471,20 @@ int encode_terngrad(unsigned bits, const float* in, std::size_t n, std::byte* ou
   }
 }
 
-int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, void* stream) {
-  return unpack_on<2>(in, n, out, add, TwoBitValue{}, stream);
+int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+                   void* stream) {
+  return unpack_on<2>(in, n, out, add, TwoBitValue{}, header, check, stream);
 }
-int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, void* stream) {
-  return unpack_on<1>(in, n, out, add, SignValue{}, stream);
+int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+                   void* stream) {
+  return unpack_on<1>(in, n, out, add, SignValue{}, header, check, stream);
 }
-int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, void* stream) {
+int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header,
+                    HeaderCheck* check, void* stream) {
   switch (bits) {
-    case 2: return unpack_on<2>(in, n, out, add, TernaryValue<2>{}, stream);
-    case 4: return unpack_on<4>(in, n, out, add, TernaryValue<4>{}, stream);
-    default: return unpack_on<8>(in, n, out, add, TernaryValue<8>{}, stream);
+    case 2: return unpack_on<2>(in, n, out, add, TernaryValue<2>{}, header, check, stream);
+    case 4: return unpack_on<4>(in, n, out, add, TernaryValue<4>{}, header, check, stream);
+    default: return unpack_on<8>(in, n, out, add, TernaryValue<8>{}, header, check, stream);
   }
 }
 

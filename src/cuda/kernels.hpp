@@ -8,6 +8,16 @@
 
 namespace gradsync::cuda::kernels {
 
+// Where a decode kernel reports an encoding whose header is not the one expected, so that the
+// host need not copy the header back and wait before decoding: page-locked host memory the
+// kernels write through (cudaHostAllocMapped), read after the stream's next synchronization.
+// The kernel that finds a mismatch writes nothing else; `failed` is set last.
+struct HeaderCheck {
+  std::uint64_t found;
+  std::uint64_t expected;
+  unsigned failed;
+};
+
 int encode_f16(const float* in, std::size_t n, std::uint16_t* out, void* stream);
 int encode_bf16(const float* in, std::size_t n, std::uint16_t* out, void* stream);
 int decode_f16(const std::uint16_t* in, std::size_t n, float* out, bool add, void* stream);
@@ -28,9 +38,14 @@ int encode_two_bit_keeping_error(const float* in, float* residual, std::size_t n
                                  float threshold, void* stream);
 int encode_one_bit_keeping_error(const float* in, float* residual, std::size_t n, std::byte* out, std::uint64_t header,
                                  double* sums, float* scale, void* stream);
-int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, void* stream);
-int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, void* stream);
-int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, void* stream);
+// Packed decodes compare the encoding's first 8 bytes with `header` on the device, reporting a
+// mismatch to `check` (the device's view of it) instead of decoding.
+int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+                   void* stream);
+int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+                   void* stream);
+int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header,
+                    HeaderCheck* check, void* stream);
 
 int encode_random_k(const float* in, std::size_t n, std::size_t k, std::uint64_t key, std::byte* out,
                     std::uint64_t header, void* stream);

@@ -7,8 +7,11 @@
 //
 // Available where gradsync was built with CUDA (GRADSYNC_HAS_CUDA); every call throws a
 // gradsync::Error naming the CUDA error when the runtime fails. Calls are asynchronous on the
-// stream except decode (and so encode_with_feedback), which waits for the header; encode returns
-// the size the encoding will have, known from n alone. Inputs produced on another stream must be
+// stream; encode returns the size the encoding will have, known from n alone. Decoding checks the
+// encoding's size against the destination on the host at once, and its header (codec, format,
+// count) on the device: the kernel that meets a wrong header writes nothing and the stream's next
+// synchronize() throws Error(protocol) saying what it found. So a decode never waits for the host
+// to read the header, except RandomK's and those of no values, which still do. Inputs produced on another stream must be
 // ordered before these calls by the caller (an event). Encodings must start at 8-byte-aligned
 // device addresses (cudaMalloc gives 256). Results are bit-identical to the CPU codecs' except
 // for the payload and sign of NaNs, which the device canonicalizes.
@@ -45,7 +48,7 @@ class Stream {
   int device() const noexcept;
   void* native() const noexcept;  // the cudaStream_t
   void reserve(std::size_t values);  // scratch for runs of up to `values` values
-  void synchronize();
+  void synchronize();  // waits for the stream; throws what a decode found wrong since the last one
 
   struct Impl;
   Impl& impl() noexcept { return *impl_; }  // for the library's own kernels
