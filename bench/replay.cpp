@@ -9,7 +9,7 @@
 //          [--executor task-graph|serial] [--compute-threads N] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
-//          [--drift-at N] [--drift-factor F] [--spin] [--json PATH]
+//          [--drift-at N] [--drift-factor F] [--spin] [--device] [--json PATH]
 //
 // With --time-scale 0 every gradient is ready at once and the iteration time is the time one
 // synchronization of the whole model takes (size, time, algbw and busbw are printed for it).
@@ -26,6 +26,10 @@
 // iteration N on, to show re-profiling. Compute waits by sleeping until each layer's deadline
 // (absolute, so errors do not add up); --spin busy-waits instead, which on a machine with fewer
 // cores than ranks measures CPU contention more than overlap.
+//
+// --device (builds with CUDA): the gradients live in GPU memory (device LOCAL_RANK modulo the
+// machine's count) and the exchange runs on it, the codecs as kernels, over the same transport
+// wrapped in transport::CudaStaged; fixed-size bucketing and the ring only, the serial executor.
 //
 // An iteration's time runs from the start of backward to the return of wait(); exposed is the
 // time wait() blocked; cpu is the CPU time rank 0's process (all its threads) used during the
@@ -49,6 +53,10 @@
 
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
+#if GRADSYNC_HAS_CUDA
+#include "gradsync/cuda/memory.hpp"
+#include "gradsync/transport/cuda_staged.hpp"
+#endif
 #include "toolkit/codec_by_name.hpp"
 #include "toolkit/connect.hpp"
 #include "toolkit/json.hpp"
@@ -88,6 +96,7 @@ struct Config {
   int compute_threads = 1;
   bool selective = false;
   gs::Coordination coordination;
+  bool device = false;
 };
 
 // CPU time this process (every thread) has used so far, in the user and in the kernel.
@@ -101,6 +110,43 @@ CpuTime cpu_time() {
   return {ms(usage.ru_utime), ms(usage.ru_stime)};
 }
 
+// The gradients' copies in GPU memory for --device (nothing without it), freed with it.
+class DeviceGradients {
+ public:
+  explicit DeviceGradients(int device) : device_(device) {}
+  DeviceGradients(const DeviceGradients&) = delete;
+  ~DeviceGradients() {
+#if GRADSYNC_HAS_CUDA
+    for (float* p : copies_) gs::cuda::free_on_device(p, device_);
+#endif
+  }
+  // A device copy of `values`, as the view to register.
+  gs::TensorView add(const std::vector<float>& values) {
+#if GRADSYNC_HAS_CUDA
+    auto* p = static_cast<float*>(gs::cuda::allocate_on_device(values.size() * sizeof(float), device_));
+    copies_.push_back(p);
+    gs::cuda::copy_to_device(p, values.data(), values.size() * sizeof(float), device_);
+    return gs::view(std::span<float>(p, values.size()), gs::Device::cuda(device_));
+#else
+    (void)values;
+    throw std::runtime_error("--device needs a build with CUDA");
+#endif
+  }
+  // The device copies' values into `host` (nothing without --device).
+  void copy_back(std::vector<std::vector<float>>& host) const {
+#if GRADSYNC_HAS_CUDA
+    for (std::size_t g = 0; g < copies_.size(); ++g)
+      gs::cuda::copy_to_host(host[g].data(), copies_[g], host[g].size() * sizeof(float), device_);
+#else
+    (void)host;
+#endif
+  }
+
+ private:
+  int device_;
+  std::vector<float*> copies_;
+};
+
 struct Sample {
   double iteration_ms = 0, exposed_ms = 0;
   CpuTime cpu;
@@ -108,26 +154,28 @@ struct Sample {
   gs::IterationStats stats;
 };
 
-template <class Bucketing, class Codec, class Topology>
-int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, tk::JobTransport transport,
-        const Bucketing& policy, const Codec& codec, const Topology& topology) {
+// `device`: the CUDA device the gradients live on, or -1 for host memory.
+template <class Bucketing, class Codec, class Topology, class Transport>
+int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, Transport transport,
+        const Bucketing& policy, const Codec& codec, const Topology& topology, int device = -1) {
   const gs::Options options{.timeout = std::chrono::minutes(5),
                             .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
                             .compute_threads = cfg.compute_threads,
                             .selective_compression = cfg.selective,
                             .coordination = cfg.coordination};
   const std::string transport_name = transport.describe();
-  gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport> sync(std::move(transport), options,
-                                                                        policy, codec, topology);
+  gs::Synchronizer<Bucketing, Codec, Topology, Transport> sync(std::move(transport), options, policy, codec,
+                                                                 topology);
   const int rank = sync.rank(), ranks = sync.size();
   const int workers = tk::workers(topology, ranks);
   std::vector<std::vector<float>> grads;
+  DeviceGradients on_device(device);
   std::size_t bytes = 0;
   for (const auto& e : trace) {
     grads.emplace_back(std::max<std::size_t>(1, static_cast<std::size_t>(static_cast<double>(e.count) * cfg.size_scale)),
                        static_cast<float>(rank + 1));
     bytes += grads.back().size() * sizeof(float);
-    sync.add(e.name, gs::view(grads.back()));
+    sync.add(e.name, device < 0 ? gs::view(grads.back()) : on_device.add(grads.back()));
   }
   std::mt19937_64 gen(1000003u * static_cast<unsigned>(rank) + 17u);
   std::uniform_real_distribution<double> stretch(1 - cfg.jitter, 1 + cfg.jitter);
@@ -159,6 +207,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     // last and hold only the parts they serve), so the average is (w + 1) / 2.
     if (it == 0 && Codec::lossless && rank < workers) {
       const float expected = static_cast<float>(workers + 1) / 2;
+      on_device.copy_back(grads);
       for (const auto& g : grads)
         for (float v : g)
           if (v != expected) throw std::runtime_error(fmt::format("wrong average {} (expected {})", v, expected));
@@ -286,6 +335,7 @@ void declare_options(CLI::App& app, Config& cfg) {
                  {.low = -1});
   tk::add_number(app, "--drift-factor", cfg.drift_factor, "how much slower", {.low = 0, .low_open = true});
   app.add_flag("--spin", cfg.spin, "busy-wait through compute instead of sleeping");
+  app.add_flag("--device", cfg.device, "gradients in GPU memory, the codecs as kernels (transport::CudaStaged)");
   app.add_option("--json", cfg.json, "also write the results and every iteration as JSON to this file");
 }
 
@@ -318,6 +368,23 @@ int main(int argc, char** argv) try {
   tk::JobTransport transport = tk::connect_or_alone();
   cfg.codec_settings.rank = transport.rank();
   const auto chunk = std::max<std::size_t>(1, static_cast<std::size_t>(cfg.chunk_mib * (1 << 20) / sizeof(float)));
+  if (cfg.device) {
+#if GRADSYNC_HAS_CUDA
+    if (cfg.bucketing != "fixed-size" || cfg.topology != "ring" || cfg.executor != "serial")
+      throw std::invalid_argument("--device runs with --bucketing fixed-size --topology ring --executor serial");
+    const int devices = gs::cuda::device_count();
+    if (devices == 0) throw std::runtime_error("--device: this process sees no CUDA device");
+    const int device = gs::launch::from_environment().local_rank % devices;
+    const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
+    return tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
+      return run(cfg, trace, gs::transport::CudaStaged<tk::JobTransport>(std::move(transport), device),
+                 gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)},
+                 codec, gs::topology::Ring{.chunk_elements = chunk}, device);
+    });
+#else
+    throw std::invalid_argument("--device needs a build of gradsync with CUDA");
+#endif
+  }
   return with_bucketing(cfg, [&](const auto& policy) {
     return tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
       if (cfg.topology == "parameter-server")

@@ -1,7 +1,8 @@
 // The Synchronizer on gradients in CUDA device memory: several processes sharing one GPU, over
 // Tcp (loopback) and SharedMemory, end every iteration with the bits the same gradients in host
 // memory give, for f32, f64, f16 and bf16 gradients, several codecs and every topology, and the
-// same bits on every rank. Skipped, with the reason printed, where no CUDA device is present.
+// same bits on every rank; and so does the exchange on the device (transport::CudaStaged: buckets
+// on the GPU, the codecs as kernels) for f32 gradients. Skipped, with the reason printed, where no CUDA device is present.
 //
 // The test process itself never touches CUDA, since a forked child cannot use a context its
 // parent made: children probe for the device and do all the CUDA work.
@@ -19,6 +20,7 @@
 
 #include "gradsync/cuda/codecs.hpp"
 #include "gradsync/gradsync.hpp"
+#include "gradsync/transport/cuda_staged.hpp"
 #include "gradsync/transport/shared_memory.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "processes.hpp"
@@ -87,8 +89,8 @@ std::vector<std::byte> input(const Gradient& g, int rank, int iteration, std::si
 // Runs three iterations with the gradients in host memory (on_device false) or in device memory,
 // and returns every iteration's averages, as bytes.
 template <class C, class T, class X>
-std::vector<std::byte> run(X transport, int rank, bool on_device, const C& codec, const T& topology) {
-  const auto layout = gradients(CodecFor<C, double>);
+std::vector<std::byte> run(X transport, int rank, bool on_device, const C& codec, const T& topology,
+                           const std::vector<Gradient>& layout) {
   Synchronizer<bucketing::FixedSize, C, T, X> sync(std::move(transport), {.timeout = 30s},
                                                    {.cap_bytes = 8192, .first_cap_bytes = 2048}, codec, topology);
   std::vector<std::vector<std::byte>> host(layout.size());
@@ -125,10 +127,18 @@ std::string digest(const std::vector<std::byte>& bytes) {
   return fmt::format("{:016x}", h);
 }
 
+// f32 gradients only, for the exchange on the device (CudaStaged), at sizes that are not
+// multiples of anything.
+std::vector<Gradient> f32_gradients() { return {{1000, DType::f32}, {4099, DType::f32}, {17, DType::f32}, {3001, DType::f32}}; }
+
 // Each rank runs the device path, then the host path, over a fresh transport each time; it
 // reports "digest <hex>" if they agree bit for bit, and the ranks' digests must all be equal.
+// `staged`: the device path is the exchange on the device (transport::CudaStaged over the same
+// transport: buckets on the GPU, codecs as kernels), with f32 gradients; otherwise device
+// gradients staged through host buckets, with every dtype the codec takes.
 template <class C, class T>
-void device_matches_host(const std::string& what, const C& codec, const T& topology) {
+void device_matches_host(const std::string& what, const C& codec, const T& topology, bool staged = false) {
+  const std::vector<Gradient> layout = staged ? f32_gradients() : gradients(CodecFor<C, double>);
   for (const bool shared_memory : {false, true})
     for (const int n : {2, 4}) {
       CAPTURE(what);
@@ -141,15 +151,19 @@ void device_matches_host(const std::string& what, const C& codec, const T& topol
         std::vector<std::byte> outcome[2];
         for (int pass = 0; pass < 2; ++pass) {
           const bool on_device = pass == 0;
+          const auto over = [&](auto transport) {
+            if (staged && on_device)
+              return run(transport::CudaStaged<decltype(transport)>(std::move(transport), 0), rank, true, codec,
+                         topology, layout);
+            return run(std::move(transport), rank, on_device, codec, topology, layout);
+          };
           if (shared_memory)
-            outcome[pass] = run(transport::SharedMemory({.local_rank = rank, .local_size = n,
-                                                         .job = job + std::to_string(pass), .token = token,
-                                                         .setup_timeout = 30s}),
-                                rank, on_device, codec, topology);
+            outcome[pass] = over(transport::SharedMemory({.local_rank = rank, .local_size = n,
+                                                          .job = job + std::to_string(pass), .token = token,
+                                                          .setup_timeout = 30s}));
           else
-            outcome[pass] = run(transport::Tcp({.rank = rank, .world_size = n, .master_port = ports[pass],
-                                                .token = token, .setup_timeout = 30s}),
-                                rank, on_device, codec, topology);
+            outcome[pass] = over(transport::Tcp({.rank = rank, .world_size = n, .master_port = ports[pass],
+                                                 .token = token, .setup_timeout = 30s}));
         }
         if (outcome[0] != outcome[1]) {
           std::size_t at = 0;
@@ -183,6 +197,18 @@ TEST_SUITE("cuda") {
 
   TEST_CASE("device gradients give the host path's bits on every rank: hierarchical" * doctest::skip(no_device)) {
     device_matches_host("bf16", compression::Bf16{}, topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512});
+  }
+
+  TEST_CASE("the exchange on the device (CudaStaged over Tcp and SharedMemory) gives the host path's bits" *
+            doctest::skip(no_device)) {
+    device_matches_host("staged none", compression::None{}, topology::Ring{.chunk_elements = 512}, true);
+    device_matches_host("staged fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512}, true);
+    device_matches_host("staged ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{}, true);
+    device_matches_host("staged ef-one-bit", compression::ErrorFeedback<compression::OneBit>{},
+                        topology::ParameterServer{.chunk_elements = 512}, true);
+    device_matches_host("staged two-bit", compression::TwoBit{}, topology::ParameterServer{}, true);
+    device_matches_host("staged random-k", compression::RandomK{},
+                        topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, true);
   }
 
   TEST_CASE("a gradient the device does not hold is refused at add()" * doctest::skip(no_device)) {

@@ -258,7 +258,7 @@ TEST_CASE("nccl: the Synchronizer over NCCL, and what it refuses" * doctest::ski
     using Codec = compression::ErrorFeedback<compression::TwoBit>;
     using Sync = Synchronizer<bucketing::FixedSize, Codec, topology::Ring, transport::Nccl>;
     using HostSync = Synchronizer<bucketing::FixedSize, Codec, topology::Ring, transport::Tcp>;
-    // A packed bucket of two gradients and one reduced in place, three iterations, against the
+    // A bucket of two gradients and one of a single gradient, three iterations, against the
     // same gradients synchronized in host memory over Tcp: the same bits (the lossy codec's
     // average of one rank is its decoded encoding, with the residual carried over).
     const std::vector<std::size_t> sizes{1000, 1000, 70000};

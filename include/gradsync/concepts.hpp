@@ -240,6 +240,12 @@ concept DeviceTransport = TransportAllocator<X> && requires(X& x) {
   { x.cuda_stream() } -> std::same_as<cuda::Stream&>;
 };
 
+// A transport that matches messages by the order they are posted, not by tag (transport::Nccl:
+// NCCL has no tags), says so (static constexpr bool matches_by_order = true); the Synchronizer
+// then takes only a PairOrderedTopology.
+template <class X>
+concept OrderMatchedTransport = TransportPolicy<X> && requires { requires X::matches_by_order; };
+
 // A transport that can add what it receives to the values already there:
 template <class X>
 concept TransportAdder = TransportPolicy<X> &&

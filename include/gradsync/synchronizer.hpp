@@ -55,9 +55,9 @@ namespace gradsync {
 
 template <BucketingPolicy B, CompressionPolicy C, TopologyPolicy T, TransportPolicy X>
 class Synchronizer {
-  static_assert(!DeviceTransport<X> || PairOrderedTopology<T>,
-                "a device transport (transport::Nccl) matches messages by order, not by tag: its topology must "
-                "post each pair's messages in one order on both sides (PairOrderedTopology: topology::Ring)");
+  static_assert(!OrderMatchedTransport<X> || PairOrderedTopology<T>,
+                "this transport (transport::Nccl) matches messages by order, not by tag: its topology must post "
+                "each pair's messages in one order on both sides (PairOrderedTopology: topology::Ring)");
 
  public:
   using Bucketing = B;
@@ -118,11 +118,11 @@ class Synchronizer {
         throw Error(ErrorKind::unsupported, here("options"),
                     fmt::format("coordinated sends need the task-graph executor, and over {} buckets run serially",
                                 transport_.describe()));
-      // Calibration times control messages, which a device transport sends another way.
+      // Calibration times transfers of host memory, which is not what buckets take over it.
       if (options_.selective_compression)
         throw Error(ErrorKind::unsupported, here("options"),
-                    fmt::format("selective compression cannot calibrate over {}: its control messages take "
-                                "TCP, not the device path",
+                    fmt::format("selective compression cannot calibrate over {}: it times host-memory "
+                                "transfers, and buckets there travel from device memory",
                                 transport_.describe()));
     }
     if (options_.coordination.enabled && options_.coordination.window < 1)
@@ -357,10 +357,10 @@ class Synchronizer {
         slots[id] = {static_cast<std::uint32_t>(b), bucket.elements};
         bucket.elements += layout_[id].count;
       }
-      // Over a device transport every gradient is in its device's memory (add() checks), as the
-      // bucket storage is.
-      bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype &&
-                        (DeviceTransport<X> || views_[ids.front()].device == Device::cpu());
+      // Over a device transport a bucket is always the transport's memory (allocate()), which
+      // CudaStaged needs for its host mirrors: a device copy in and out is cheap beside a transfer.
+      bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype && !DeviceTransport<X> &&
+                        views_[ids.front()].device == Device::cpu();
       if (!bucket.in_place) {
         bucket.storage = detail::TransportBuffer<X>(&transport_, bucket.elements * size_of(bucket.dtype));
         if (!DeviceTransport<X> &&

@@ -30,6 +30,19 @@ void copy_to_device(void* device, const void* host, std::size_t bytes, int devic
   check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device", bytes, device_index);
 }
 
+void* allocate_on_device(std::size_t bytes, int device_index) {
+  void* p = nullptr;
+  check(cudaSetDevice(device_index), "allocate", bytes, device_index);
+  check(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "allocate", bytes, device_index);
+  return p;
+}
+
+void free_on_device(void* p, int device_index) noexcept {
+  if (!p) return;
+  cudaSetDevice(device_index);
+  cudaFree(p);
+}
+
 bool on_device(const void* p, int device_index) {
   cudaPointerAttributes attributes{};
   if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {

@@ -15,6 +15,10 @@ void copy_to_device(void* device, const void* host, std::size_t bytes, int devic
 // True if `p` is memory of CUDA device `device_index` (cudaMalloc'd or managed).
 bool on_device(const void* p, int device_index);
 
+// Device memory of CUDA device `device_index` (cudaMalloc: 256-byte aligned), and its release.
+void* allocate_on_device(std::size_t bytes, int device_index);
+void free_on_device(void* p, int device_index) noexcept;
+
 // Page-locks host memory that copies use often (faster, and no staging inside the driver); false
 // if the system refuses, which leaves the memory usable, only slower to copy.
 bool pin(void* host, std::size_t bytes);

@@ -91,6 +91,8 @@ class Nccl {
 
   // Sets up TCP, checks the GPUs, joins the communicator. Throws gradsync::Error: timeout (setup),
   // invalid_argument (two ranks on one GPU, no GPU), internal (CUDA or NCCL refused).
+  static constexpr bool matches_by_order = true;  // OrderMatchedTransport (concepts.hpp)
+
   explicit Nccl(const NcclOptions& options);
   static NcclOptions options_from_env();  // Tcp::options_from_env() and LOCAL_RANK
   static Nccl from_env() { return Nccl(options_from_env()); }
@@ -126,6 +128,6 @@ class Nccl {
 };
 
 static_assert(TransportPolicy<Nccl>);
-static_assert(TransportAllocator<Nccl>);
+static_assert(DeviceTransport<Nccl> && OrderMatchedTransport<Nccl>);
 
 }  // namespace gradsync::transport

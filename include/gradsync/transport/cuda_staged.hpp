@@ -1,0 +1,198 @@
+#pragma once
+// transport::CudaStaged<X> — device memory over a host transport (Tcp, SharedMemory, Routed):
+// the device path of the exchange (buckets on the GPU, the codecs as kernels; engine/exchange.hpp)
+// for ranks that have no NCCL between them, such as several processes sharing one GPU, or GPUs
+// whose machines only TCP connects. Declared where gradsync was built with CUDA (GRADSYNC_HAS_CUDA).
+//
+// allocate() hands out device memory of the chosen GPU and keeps, for each block, a page-locked
+// host mirror of the same size (from X's own allocate() where it has one, so SharedMemory's arena
+// still makes a message one memcpy). A send of bytes inside such a block copies them to the mirror
+// on cuda_stream() — after the kernels queued there, the encode that wrote them — waits for that
+// copy, and sends the mirror through X. A receive lands in the mirror; once X reports it complete
+// (test or wait), a copy to the device is queued on cuda_stream(), ahead of whatever the caller
+// queues next (the decode that reads it). Any other buffer (the control messages, in host memory)
+// passes through to X untouched; device memory that allocate() did not hand out is refused.
+//
+// Messages match by tag as X's do, so every topology runs over it. Completions are seen in test()
+// and wait(): the Synchronizer runs buckets on the serial executor over it, as over any device
+// transport. Failures, timeouts and a dead peer are X's.
+//
+//   using Staged = gradsync::transport::CudaStaged<gradsync::transport::Tcp>;
+//   Staged transport(gradsync::transport::Tcp::from_env(), local_rank % device_count);
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/cuda/codecs.hpp"
+#include "gradsync/cuda/memory.hpp"
+#include "gradsync/error.hpp"
+#include "gradsync/transport/tcp.hpp"
+
+namespace gradsync::transport {
+
+template <TransportPolicy X>
+class CudaStaged {
+ public:
+  class Request {
+   public:
+    Request() = default;
+    Request(const Request&) = delete;
+    Request& operator=(const Request&) = delete;
+    void report_to(CompletionSink* sink, std::uint64_t id) noexcept { inner_.report_to(sink, id); }
+
+   private:
+    friend class CudaStaged;
+    typename X::Request inner_;
+    std::byte* device_ = nullptr;  // a staged receive's destination; null otherwise
+    const std::byte* mirror_ = nullptr;
+    std::size_t size_ = 0;
+    bool landed_ = false;  // its copy to the device is queued
+  };
+
+  // Device memory on CUDA device `device`; messages through `inner`.
+  CudaStaged(X inner, int device)
+      : inner_(std::move(inner)), device_(device), stream_(std::make_unique<cuda::Stream>(device)) {}
+  CudaStaged(CudaStaged&& o) noexcept
+      : inner_(std::move(o.inner_)),
+        device_(o.device_),
+        stream_(std::move(o.stream_)),
+        blocks_(std::exchange(o.blocks_, {})) {}
+  CudaStaged& operator=(CudaStaged&& o) noexcept {
+    if (this != &o) {
+      for (const Block& b : blocks_) release(b);
+      inner_ = std::move(o.inner_);
+      device_ = o.device_;
+      stream_ = std::move(o.stream_);
+      blocks_ = std::exchange(o.blocks_, {});
+    }
+    return *this;
+  }
+  ~CudaStaged() {
+    for (const Block& b : blocks_) release(b);
+  }
+
+  int rank() const { return inner_.rank(); }
+  int size() const { return inner_.size(); }
+  std::string describe() const { return fmt::format("cuda-staged({})", inner_.describe()); }
+  cuda::Stream& cuda_stream() noexcept { return *stream_; }
+  X& inner() noexcept { return inner_; }
+
+  void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
+    r.device_ = nullptr;
+    const std::byte* mirror = staged(bytes, "send", peer);
+    if (!mirror) return inner_.send(r.inner_, peer, tag, bytes);
+    cuda::copy(const_cast<std::byte*>(mirror), bytes.data(), bytes.size(), *stream_);
+    stream_->synchronize();  // the encode that wrote the bytes, and this copy
+    inner_.send(r.inner_, peer, tag, {mirror, bytes.size()});
+  }
+
+  void recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
+    const std::byte* mirror = staged(bytes, "recv", peer);
+    r.device_ = mirror ? bytes.data() : nullptr;
+    if (!mirror) return inner_.recv(r.inner_, peer, tag, bytes);
+    r.mirror_ = mirror;
+    r.size_ = bytes.size();
+    r.landed_ = false;
+    inner_.recv(r.inner_, peer, tag, {const_cast<std::byte*>(mirror), bytes.size()});
+  }
+
+  bool test(Request& r) {
+    if (!inner_.test(r.inner_)) return false;
+    land(r, r.size_);
+    return true;
+  }
+
+  std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
+    const std::size_t bytes = inner_.wait(r.inner_, deadline);
+    land(r, bytes);
+    return bytes;
+  }
+
+  void abort(const Error& cause) { inner_.abort(cause); }
+
+  std::span<std::byte> allocate(std::size_t bytes) {
+    Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, {}};
+    try {
+      if constexpr (TransportAllocator<X>) {
+        b.host = inner_.allocate(bytes).data();
+      } else {
+        b.host = static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t{64}));
+      }
+      b.pinned = cuda::pin(b.host, bytes);
+    } catch (...) {
+      cuda::free_on_device(b.device, device_);
+      throw;
+    }
+    blocks_.insert(std::upper_bound(blocks_.begin(), blocks_.end(), b,
+                                    [](const Block& x, const Block& y) { return x.device < y.device; }),
+                   b);
+    return {b.device, bytes};
+  }
+
+  void deallocate(std::span<std::byte> block) {
+    const auto it = std::find_if(blocks_.begin(), blocks_.end(), [&](const Block& b) { return b.device == block.data(); });
+    if (it == blocks_.end()) return;
+    release(*it);
+    blocks_.erase(it);
+  }
+
+ private:
+  struct Block {
+    std::byte* device;
+    std::byte* host;  // the mirror
+    std::size_t bytes;
+    bool pinned;
+  };
+
+  // The mirror of `bytes` if they lie in a block allocate() handed out; null for memory that is
+  // not the device's (passed through); an Error for device memory that is not a block's.
+  const std::byte* staged(std::span<const std::byte> bytes, const char* operation, int peer) const {
+    if (bytes.empty()) return nullptr;
+    const std::byte* p = bytes.data();
+    const auto it = std::upper_bound(blocks_.begin(), blocks_.end(), p,
+                                     [](const std::byte* q, const Block& b) { return q < b.device; });
+    if (it != blocks_.begin()) {
+      const Block& b = *std::prev(it);
+      if (p >= b.device && p + bytes.size() <= b.device + b.bytes) return b.host + (p - b.device);
+    }
+    if (cuda::on_device(p, device_))
+      throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = operation},
+                  fmt::format("{}: a message of {} bytes in device memory that allocate() did not hand out; only "
+                              "its blocks have host mirrors to travel through",
+                              describe(), bytes.size()));
+    return nullptr;
+  }
+
+  // A finished staged receive: its bytes to the device, queued on the stream once.
+  void land(Request& r, std::size_t bytes) {
+    if (!r.device_ || r.landed_) return;
+    cuda::copy(r.device_, r.mirror_, bytes, *stream_);
+    r.landed_ = true;
+  }
+
+  void release(const Block& b) noexcept {
+    if (b.pinned) cuda::unpin(b.host);
+    if constexpr (TransportAllocator<X>) inner_.deallocate({b.host, b.bytes});
+    else ::operator delete(b.host, std::align_val_t{64});
+    cuda::free_on_device(b.device, device_);
+  }
+
+  X inner_;
+  int device_;
+  std::unique_ptr<cuda::Stream> stream_;
+  std::vector<Block> blocks_;  // by device address
+};
+
+static_assert(DeviceTransport<CudaStaged<Tcp>>);
+
+}  // namespace gradsync::transport
