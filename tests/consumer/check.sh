@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds tests/consumer with this checkout as its gradsync subproject, then runs it; then builds
 # the same program with nothing but the flags gradsync.pc gives (pkg-config, from the subproject's
-# uninstalled .pc) and -Wall -Wextra -Wpedantic -Werror, and runs that too.
+# uninstalled .pc) and -Wall -Wextra -Wpedantic -Werror, and runs that too; then installs gradsync
+# (`meson install` into a staging directory) and builds and runs it once more from the installed
+# headers, libraries and .pc alone.
 #   check.sh SOURCE_ROOT WORK_DIR
 set -euo pipefail
 source_root=$1
@@ -32,3 +34,19 @@ for compiler in "${compilers[@]}"; do
   echo "$compiler: $output"
   [[ $output == gradsync\ $expected ]]
 done
+
+# Installed: what `meson install` puts under a prefix, found through its gradsync.pc only.
+stage=$work/stage
+meson install -C build --destdir "$stage" --quiet
+pc=$(dirname "$(find "$stage" -name gradsync.pc | head -1)")
+# Only the staged .pc (pkg-config would prefer the build tree's gradsync-uninstalled.pc), read
+# with the staging directory as its root.
+export PKG_CONFIG_PATH=$pc PKG_CONFIG_DISABLE_UNINSTALLED=1 PKG_CONFIG_SYSROOT_DIR=$stage
+flags=$(pkg-config --cflags --libs gradsync)
+echo "installed pkg-config: $flags"
+[[ $flags == *"-I$stage/"* ]]  # the staged headers, not this checkout's
+c++ -Wall -Wextra -Wpedantic -Werror src/main.cpp $flags -pthread -o consumer-installed
+libdir=$(dirname "$(find "$stage" -name 'libgradsync.so' | head -1)")
+output=$(LD_LIBRARY_PATH=$libdir ./consumer-installed)
+echo "installed: $output"
+[[ $output == gradsync\ $expected ]]
