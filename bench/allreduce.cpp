@@ -4,7 +4,7 @@
 //   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server|hierarchical] [--partitions P] [--ranks-per-machine L]
-//             [--chunk-bytes B] [--json PATH]
+//             [--chunk-bytes B] [--data gradient|constant] [--json PATH]
 //
 // in-process: N ranks as threads of this process. shm: one rank per process, all on one machine,
 // over shared memory (gradsync-run -n N). tcp: one rank per process, placed by the launcher's
@@ -15,16 +15,22 @@
 // Every iteration starts and ends at a barrier; an iteration's time is the slowest rank's; the table shows
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
 // 2(n-1)/n, what each rank moves through its link in a ring allreduce, so busbw compares across
-// world sizes and against the link's bandwidth. GB = 1e9 bytes. Every rank checks the result of
-// the first iteration of each size against the topology's arithmetic done by hand (with the codec's
-// rounding at every hop); #wrong counts elements that differ. Sparsifying codecs (top-k,
-// random-k) keep some elements of a uniform run and not others, which a per-value replay cannot
-// follow: their #wrong shows "-".
+// world sizes and against the link's bandwidth. GB = 1e9 bytes.
+//
+// --data gradient (the default): each rank's values are drawn from N(0, 0.01), differently on
+// every rank, as gradients are, so every codec is timed on what it meets (a sparsifier's choice,
+// a quantizer's scale); the first iteration of each size is checked for what the library promises
+// whatever the codec: every rank ends with the same bits (#wrong counts the ranks whose result
+// differs from rank 0's). --data constant: rank r contributes r + 1 everywhere, and every rank
+// checks its result against the topology's arithmetic done by hand, with the codec's rounding at
+// every hop (#wrong counts elements that differ); the sparsifiers (top-k, random-k) keep some
+// elements of a uniform run and not others, which a per-value replay cannot follow: "-".
 
 #include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <optional>
+#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -63,6 +69,7 @@ struct Config {
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
   int ranks_per_machine = 0;   // hierarchical: L; 0 until parsed, then LOCAL_WORLD_SIZE, else 1
   std::size_t chunk_bytes = 0;  // 0: the topology's own
+  std::string data = "gradient";
   std::string json;
 };
 
@@ -194,6 +201,22 @@ class Coordination {
     ++round_;
   }
 
+  // Rank 0 learns how many ranks' digests differ from its own (0 elsewhere).
+  std::uint64_t ranks_differing_from_root(std::uint64_t digest) {
+    std::uint64_t differing = 0;
+    if (t_.rank() != 0) {
+      send_wait(0, 3, std::as_bytes(std::span(&digest, 1)));
+    } else {
+      for (int peer = 1; peer < t_.size(); ++peer) {
+        std::uint64_t theirs = 0;
+        recv_wait(peer, 3, std::as_writable_bytes(std::span(&theirs, 1)));
+        differing += theirs != digest;
+      }
+    }
+    ++round_;
+    return differing;
+  }
+
   // Rank 0 receives every rank's values, element-wise maximum (times) and sum (counts).
   void reduce_to_root(std::vector<double>& slowest, std::uint64_t& wrong) {
     const auto n = t_.size();
@@ -240,6 +263,22 @@ class Coordination {
   std::uint64_t round_ = 0;
 };
 
+// --data gradient: this rank's values, N(0, 0.01), seeded by the rank.
+std::vector<float> gradient_values(std::size_t count, int rank) {
+  std::mt19937_64 random(0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(rank + 1));
+  std::normal_distribution<float> normal(0.0f, 0.01f);
+  std::vector<float> values(count);
+  for (float& v : values) v = normal(random);
+  return values;
+}
+
+// FNV-1a over the values' bytes: what ranks compare to know they hold the same bits.
+std::uint64_t digest(std::span<const float> values) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const std::byte b : std::as_bytes(values)) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ull;
+  return h;
+}
+
 // Runs every size on this rank; rank 0 returns the rows.
 template <class Codec, class X>
 std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
@@ -266,13 +305,18 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     // From the transport's own memory where it has some (SharedMemory: one memcpy per message).
     const gradsync::detail::TransportBuffer<X> storage(&transport, count * sizeof(float));
     const std::span<float> values = storage.template as<float>(count);
-    const std::vector<float> expected = elementwise<Codec> ? expected_average(codec, n, count, cfg) : std::vector<float>{};
+    const bool gradient = cfg.data == "gradient";
+    const bool checked = gradient || elementwise<Codec>;
+    const std::vector<float> mine = gradient ? gradient_values(count, transport.rank()) : std::vector<float>{};
+    const std::vector<float> expected =
+        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg) : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;
     engine::BucketExchange<Codec, X>* const installed[] = {&exchange};
     if (graph) graph->install(installed);
     for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
-      std::fill(values.begin(), values.end(), static_cast<float>(transport.rank() + 1));
+      if (gradient) std::copy(mine.begin(), mine.end(), values.begin());
+      else std::fill(values.begin(), values.end(), static_cast<float>(transport.rank() + 1));
       coordination.barrier();
       const auto start = Clock::now();
       if (graph) {
@@ -286,11 +330,12 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       // on a machine shared by several ranks that work would slow the slowest one.
       coordination.barrier();
       if (i >= cfg.warmup) times.push_back(us);
-      if (i == 0 && elementwise<Codec>)
+      if (i == 0 && gradient) wrong += coordination.ranks_differing_from_root(digest(values));
+      if (i == 0 && !gradient && elementwise<Codec>)
         for (std::size_t e = 0; e < count; ++e) wrong += values[e] != expected[e];
     }
     coordination.reduce_to_root(times, wrong);
-    if (transport.rank() == 0) rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, elementwise<Codec>});
+    if (transport.rank() == 0) rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked});
   }
   return rows;
 }
@@ -355,6 +400,10 @@ void declare_options(CLI::App& app, Config& cfg) {
                     "the topology's piece size (default: its own, 1 MiB for ring and parameter server, 256 KiB for "
                     "hierarchical)",
                     {.low = sizeof(float)});
+  tk::add_choice(app, "--data", cfg.data,
+                 "gradient: N(0, 0.01) values, different on every rank, checked for the same bits on every rank; "
+                 "constant: rank r gives r + 1, checked element by element against the arithmetic",
+                 {"gradient", "constant"});
   app.add_option("--json", cfg.json, "also write the rows as JSON to this file");
   app.footer("Sizes take K, M or G suffixes (binary). GB = 1e9 bytes.");
 }
@@ -375,6 +424,8 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   fmt::print("# {} executor; median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, "
              "one thread\n",
              cfg.executor, cfg.iters, cfg.warmup);
+  fmt::print("# data {}; #wrong: {}\n", cfg.data,
+             cfg.data == "gradient" ? "ranks whose result differs from rank 0's" : "elements off the arithmetic");
   fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
              "algbw", "busbw", "memcpy", "time/cpy", "#wrong");
   fmt::print("# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "(B)", "(elements)", "", "(us)",
@@ -387,7 +438,8 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                row.time_us / row.memcpy_us, row.checked ? fmt::to_string(row.wrong) : "-");
     wrong += row.wrong;
   }
-  fmt::print("# out of bounds values: {} {}\n", wrong, wrong ? "ERROR" : "OK");
+  fmt::print("# {}: {} {}\n", cfg.data == "gradient" ? "ranks differing" : "out of bounds values", wrong,
+             wrong ? "ERROR" : "OK");
   if (cfg.json.empty()) return;
   tk::Json json = tk::Json::array();
   for (const Row& r : rows) {
@@ -398,6 +450,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"codec", cfg.codec},
                     {"transport", transport_name(cfg)},
                     {"executor", cfg.executor},
+                    {"data", cfg.data},
                     {"time_us", tk::rounded(r.time_us, 3)},
                     {"algbw_GBps", tk::rounded(algbw, 5)},
                     {"busbw_GBps", tk::rounded(algbw * bus_factor(ranks), 5)},

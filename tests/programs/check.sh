@@ -154,9 +154,13 @@ case $name in
     refuses --partitions --partitions 1.5
     refuses --transport --transport udp
     refuses --min-bytes --min-bytes 8K --max-bytes 4K
+    refuses --data --data zeros
     succeeds --ranks 2 --min-bytes 1K --max-bytes 4KiB --iters 1 --warmup 1 --chunk-bytes 1K --codec ef-two-bit \
       --json "$work/allreduce.json"
-    valid_json "$work/allreduce.json" '[r["bytes"] for r in d] == [1024, 4096] and d[0]["codec"] == "ef-two-bit"'
+    valid_json "$work/allreduce.json" '[r["bytes"] for r in d] == [1024, 4096] and d[0]["codec"] == "ef-two-bit" and all(r["data"] == "gradient" and r["wrong"] == 0 for r in d)'
+    succeeds --ranks 3 --min-bytes 1K --max-bytes 1K --iters 1 --warmup 1 --codec top-k --data constant \
+      --json "$work/allreduce-constant.json"
+    valid_json "$work/allreduce-constant.json" 'd[0]["data"] == "constant" and d[0]["wrong"] is None'
     ;;
   codecs)
     refuses --min-mib --min-mib 4x
