@@ -69,10 +69,17 @@ TEST_SUITE("timeline") {
       std::vector<int> waited;
       std::map<std::uint64_t, std::pair<double, double>> spans;  // async id: begin, end
       std::uint64_t bytes_sent = 0;
+      std::map<int, std::string> thread_names;  // tid: the name its track is given
+      for (const auto& e : trace["traceEvents"])
+        if (e["name"] == "thread_name") thread_names[e["tid"]] = e["args"]["name"];
       for (const auto& e : trace["traceEvents"]) {
         REQUIRE(e["pid"] == rank);
         const std::string ph = e["ph"], name = e["name"];
         if (ph == "M") continue;
+        CHECK(thread_names.count(e["tid"]) == 1);  // every track is named
+        const std::string thread = thread_names[e["tid"]];
+        if (name == "ready" || name == "wait") CHECK(thread.starts_with("trainer (thread "));
+        if (name == "encode" || name == "decode") CHECK(thread.starts_with("gradsync "));
         CHECK(e["ts"].get<double>() >= 0);
         ++count[ph == "e" ? name + " (end)" : name];
         if (name == "ready") ready_names.insert(e["args"]["gradient"].get<std::string>());
@@ -114,7 +121,9 @@ TEST_SUITE("timeline") {
     std::ifstream in(dir / "t.0.json");
     const nlohmann::json trace = nlohmann::json::parse(in);
     CHECK(trace["otherData"]["dropped"] == 6);
-    CHECK(trace["traceEvents"].size() == 1 + 4);  // the process name, then the events kept
+    CHECK(trace["traceEvents"].size() == 1 + 1 + 4);  // the process's name, its thread's, the events kept
+    CHECK(trace["traceEvents"][1]["name"] == "thread_name");
+    CHECK(trace["traceEvents"][1]["args"]["name"].get<std::string>().starts_with("trainer (thread "));
     std::filesystem::remove_all(dir);
   }
 }

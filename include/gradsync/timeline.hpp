@@ -11,6 +11,8 @@
 //   bucket b     from the bucket's packing to its averages written back (async track "buckets")
 //   encode, decode, average   each schedule step, with bucket and elements (the thread that ran it)
 //   send to P / recv from P   from posting to completion, with bucket and bytes (async tracks)
+// Each thread's track is named by what it recorded: "trainer" (ready, wait), "gradsync compute"
+// (encode, decode, average), "gradsync communication" (transfers), or both, with its number.
 // Recording writes one preallocated slot (an atomic increment and a few stores); nothing is
 // allocated or formatted until the file is written. Past `capacity` events the rest are counted,
 // not kept, and the file says how many were dropped. Times are the machine's monotonic clock
@@ -96,6 +98,7 @@ class Timeline {
                    "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{0},\"tid\":0,\"args\":{{\"name\":\"rank {0}\"}}}}",
                    rank_);
     const std::size_t n = recorded();
+    write_thread_names(out, n);
     for (std::size_t i = 0; i < n; ++i) {
       const Event& e = events_[i];
       if (!e.recorded.load(std::memory_order_acquire)) continue;
@@ -172,6 +175,35 @@ class Timeline {
       case Kind::recv: return "recv";
     }
     return "?";
+  }
+
+  // A name for each thread's track, from what it recorded: the trainer's threads mark gradients
+  // ready and wait; of gradsync's own, the task graph's compute threads encode, decode and
+  // average, its communication thread completes transfers, and the serial executor's thread does
+  // both.
+  void write_thread_names(fmt::memory_buffer& out, std::size_t n) const {
+    std::vector<std::pair<std::uint32_t, unsigned>> kinds;  // (lane, kinds it recorded as bits)
+    for (std::size_t i = 0; i < n; ++i) {
+      const Event& e = events_[i];
+      if (!e.recorded.load(std::memory_order_acquire)) continue;
+      auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == e.lane; });
+      if (it == kinds.end()) it = kinds.insert(kinds.end(), {e.lane, 0u});
+      it->second |= 1u << static_cast<unsigned>(e.kind);
+    }
+    std::sort(kinds.begin(), kinds.end());
+    const auto has = [](unsigned bits, Kind kind) { return (bits >> static_cast<unsigned>(kind) & 1u) != 0; };
+    for (const auto& [lane, bits] : kinds) {
+      const bool computes = has(bits, Kind::encode) || has(bits, Kind::decode) || has(bits, Kind::average);
+      const bool transfers = has(bits, Kind::send) || has(bits, Kind::recv);
+      const std::string_view role = has(bits, Kind::ready) || has(bits, Kind::wait) ? "trainer"
+                                    : computes && transfers                         ? "gradsync communication + compute"
+                                    : computes                                      ? "gradsync compute"
+                                                                                    : "gradsync communication";
+      fmt::format_to(std::back_inserter(out),
+                     ",\n{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{},\"tid\":{},\"args\":{{\"name\":\"{} "
+                     "(thread {})\"}}}}",
+                     rank_, lane, role, lane);
+    }
   }
 
   // A small number per thread, the same in every timeline of the process: the trace's tid.
