@@ -96,6 +96,21 @@ case $name in
       --topology parameter-server --servers 1 --seed 7 2>&1)
     if [[ $message == *"$work/no-data"* ]]; then echo "accepted: got as far as the data"; else fail "fmnist: $message"; fi
     ;;
+  libtorch-fmnist)
+    refuses --epochs --epochs 0
+    refuses --batch --batch -1
+    refuses --lr --lr nan
+    refuses --momentum --momentum 1
+    refuses --threshold --threshold -0.1
+    refuses --steps --steps 1e3
+    refuses --threads --threads 0
+    refuses --topology --topology tree
+    refuses --bucketing --bucketing fixed-size   # one bucketing only: not an option
+    # Accepted options get as far as reading the data (absent here).
+    message=$("$program" --data "$work/no-data" --codec ef-two-bit --threshold 0.02 --topology parameter-server \
+      --threads 1 --seed 3 2>&1)
+    if [[ $message == *"$work/no-data"* ]]; then echo "accepted: got as far as the data"; else fail "libtorch-fmnist: $message"; fi
+    ;;
   ctr)
     refuses --table --table elsewhere
     refuses --epochs --epochs 0
