@@ -10,7 +10,6 @@
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <bit>
@@ -23,6 +22,7 @@
 #include "gradsync/transport/cuda_staged.hpp"
 #include "gradsync/transport/shared_memory.hpp"
 #include "gradsync/transport/tcp.hpp"
+#include "cuda_probe.hpp"
 #include "processes.hpp"
 
 using namespace gradsync;
@@ -30,15 +30,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-const bool no_device = [] {
-  const pid_t pid = ::fork();
-  if (pid == 0) ::_exit(cuda::device_count() > 0 ? 0 : 1);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return false;
-  std::puts("no CUDA device: the device Synchronizer tests are skipped (they run on GPU machines)");
-  return true;
-}();
+const bool no_device = test::no_cuda_device("the device Synchronizer tests are");
 
 constexpr const char* token = "cuda-sync-test-token";
 

@@ -63,6 +63,17 @@ std::string describe_header(std::uint64_t word) {
 // the stream: a Synchronizer's communication thread, say).
 void use(const Stream& stream) { check(cudaSetDevice(stream.device()), "set device"); }
 
+// A packed codec's decode (two-bit, one-bit, terngrad): the host checks the size, and the kernel
+// `launch(header)` starts compares the header on the device; with n = 0 there is no kernel to look
+// at it, so the host does.
+template <class Launch>
+void decode_packed(const std::byte* in, std::size_t bytes, std::size_t n, compression::CodecId id, const char* codec,
+                   std::size_t words, Stream& stream, Launch launch) {
+  use(stream);
+  if (n == 0) return check_device_header(in, bytes, id, codec, n, 4, stream);
+  check(launch(expected_header(bytes, id, codec, n, 4 + words * 4)), "decode");
+}
+
 }  // namespace
 
 struct Stream::Impl {
@@ -176,14 +187,11 @@ std::size_t encode_with_feedback(const compression::TwoBit& codec, compression::
 }
 void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
-  use(stream);
-  if (n == 0)  // no kernel to look at the header: the host does
-    return check_device_header(in, bytes, compression::CodecId::two_bit, "two-bit", n, 4, stream);
-  const std::uint64_t header =
-      expected_header(bytes, compression::CodecId::two_bit, "two-bit", n, 4 + compression::Packed<2>::words(n) * 4);
-  check(kernels::decode_two_bit(in, n, out, mode == DecodeMode::add, header, stream.impl().check_device,
-                                stream.native()),
-        "decode");
+  decode_packed(in, bytes, n, compression::CodecId::two_bit, "two-bit", compression::Packed<2>::words(n), stream,
+                [&](std::uint64_t header) {
+                  return kernels::decode_two_bit(in, n, out, mode == DecodeMode::add, header,
+                                                 stream.impl().check_device, stream.native());
+                });
 }
 
 std::size_t encode(const compression::OneBit&, compression::OneBit::State&, const float* in, std::size_t n,
@@ -206,14 +214,11 @@ std::size_t encode_with_feedback(const compression::OneBit&, compression::OneBit
 }
 void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
-  use(stream);
-  if (n == 0)  // no kernel to look at the header: the host does
-    return check_device_header(in, bytes, compression::CodecId::one_bit, "one-bit", n, 4, stream);
-  const std::uint64_t header =
-      expected_header(bytes, compression::CodecId::one_bit, "one-bit", n, 4 + compression::Packed<1>::words(n) * 4);
-  check(kernels::decode_one_bit(in, n, out, mode == DecodeMode::add, header, stream.impl().check_device,
-                                stream.native()),
-        "decode");
+  decode_packed(in, bytes, n, compression::CodecId::one_bit, "one-bit", compression::Packed<1>::words(n), stream,
+                [&](std::uint64_t header) {
+                  return kernels::decode_one_bit(in, n, out, mode == DecodeMode::add, header,
+                                                 stream.impl().check_device, stream.native());
+                });
 }
 
 template <unsigned Bits>
@@ -229,15 +234,11 @@ std::size_t encode(const compression::TernGrad<Bits>& codec, typename compressio
 template <unsigned Bits>
 void decode(const compression::TernGrad<Bits>&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
-  use(stream);
-  using Layout = typename compression::TernGrad<Bits>::Layout;
-  if (n == 0)  // no kernel to look at the header: the host does
-    return check_device_header(in, bytes, compression::CodecId::terngrad, "terngrad", n, 4, stream);
-  const std::uint64_t header =
-      expected_header(bytes, compression::CodecId::terngrad, "terngrad", n, 4 + Layout::words(n) * 4);
-  check(kernels::decode_terngrad(Bits, in, n, out, mode == DecodeMode::add, header, stream.impl().check_device,
-                                 stream.native()),
-        "decode");
+  decode_packed(in, bytes, n, compression::CodecId::terngrad, "terngrad",
+                compression::TernGrad<Bits>::Layout::words(n), stream, [&](std::uint64_t header) {
+                  return kernels::decode_terngrad(Bits, in, n, out, mode == DecodeMode::add, header,
+                                                  stream.impl().check_device, stream.native());
+                });
 }
 
 template std::size_t encode(const compression::TernGrad<2>&, compression::TernGrad<2>::State&, const float*,
