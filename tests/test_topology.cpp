@@ -901,18 +901,31 @@ TEST_SUITE("topology") {
   }
 }
 
-TEST_CASE("topology: Ring posts each pair's messages in one order on both sides, as transport::Nccl needs") {
+TEST_CASE("topology: Ring and ParameterServer post each pair's messages in one order on both sides, as "
+          "transport::Nccl needs") {
   static_assert(PairOrderedTopology<topology::Ring>);
-  static_assert(!PairOrderedTopology<topology::ParameterServer>);
+  static_assert(PairOrderedTopology<topology::ParameterServer>);
+  static_assert(!PairOrderedTopology<topology::Hierarchical>);
   for (int n = 1; n <= 6; ++n)
     for (std::size_t elements : {0u, 1u, 5u, 64u, 1000u, 100003u})
       for (std::size_t chunk : {7u, 64u, 1u << 18})
         for (bool identity : {true, false}) {
-          const std::string broken = pair_order_broken(topology::Ring{.chunk_elements = chunk}, n, elements, identity);
-          CHECK_MESSAGE(broken.empty(), broken);
+          CAPTURE(chunk);
+          CAPTURE(identity);
+          std::string broken = pair_order_broken(topology::Ring{.chunk_elements = chunk}, n, elements, identity);
+          CHECK_MESSAGE(broken.empty(), "ring: " << broken);
+          for (std::size_t partitions : {0u, 1u, 5u})
+            for (std::size_t servers = 0; servers < static_cast<std::size_t>(n); ++servers)
+              for (bool dedicated : {false, true}) {
+                if (dedicated && servers == 0) continue;
+                broken = pair_order_broken(topology::ParameterServer{.partitions = partitions,
+                                                                     .servers = servers,
+                                                                     .dedicated = dedicated,
+                                                                     .chunk_elements = chunk},
+                                           n, elements, identity);
+                CHECK_MESSAGE(broken.empty(), "parameter server, " << partitions << " partitions, " << servers
+                                                                   << " servers" << (dedicated ? " dedicated" : "")
+                                                                   << ": " << broken);
+              }
         }
-  // The parameter server is not pair-ordered (which is why it does not claim it): with 3 ranks,
-  // rank 0 sends rank 1 its contribution to part 1 before the result of part 0, while rank 1
-  // posts its receive for that result first.
-  CHECK_FALSE(pair_order_broken(topology::ParameterServer{}, 3, 3000, false).empty());
 }

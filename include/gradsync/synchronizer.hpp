@@ -57,7 +57,8 @@ template <BucketingPolicy B, CompressionPolicy C, TopologyPolicy T, TransportPol
 class Synchronizer {
   static_assert(!OrderMatchedTransport<X> || PairOrderedTopology<T>,
                 "this transport (transport::Nccl) matches messages by order, not by tag: its topology must post "
-                "each pair's messages in one order on both sides (PairOrderedTopology: topology::Ring)");
+                "each pair's messages in one order on both sides (PairOrderedTopology: topology::Ring or "
+                "topology::ParameterServer)");
 
  public:
   using Bucketing = B;
@@ -252,12 +253,14 @@ class Synchronizer {
   }
 
   // The non-blocking form of wait(): true (and the next iteration readied) once every gradient
-  // holds the average; false while the exchange is still running.
+  // holds the average; false while the exchange is still running. On the timeline the call that
+  // returns true is a wait of no length (the trainer did not block).
   bool try_wait() {
     freeze();
     std::unique_lock lock(mutex_);
     if (error_) throw_when_released(lock);
     if (!done_) return false;
+    if (timeline_) timeline_->record(Timeline::Kind::wait, timeline_->now(), 0, iteration_.load());
     next_iteration(std::chrono::nanoseconds{0});
     return true;
   }

@@ -42,6 +42,10 @@ struct ParameterServer {
   std::size_t servers = 0;                            // 0: every rank (co-located)
   bool dedicated = false;                             // the servers only aggregate; needs 1 <= servers < group size
   std::size_t chunk_elements = std::size_t{1} << 18;  // 1 MiB of f32
+  // Between two ranks a and b, a sends b its contributions to b's parts, then the results of its
+  // own parts; b posts its receives from a in that order too (all contributions before any
+  // result), so both ends of a pair post its messages in one order (PairOrderedTopology).
+  static constexpr bool posts_pairs_in_order = true;
 
   std::string describe() const {
     return fmt::format("parameter-server(partitions={}, servers={}{}, chunk={})", partitions, servers,
@@ -118,26 +122,27 @@ struct ParameterServer {
     const auto roots = [&](std::size_t p) { return group.rank == root(group, p); };
     const auto feeds = [&](std::size_t p) { return !roots(p) && contributes(group.rank); };
 
-    // Receives first, into fresh slots: contributions at the roots, encoded results elsewhere.
+    // Receives first, into fresh slots: contributions at the roots, then encoded results
+    // elsewhere (every contribution's receive before any result's, the order each peer sends in).
     std::vector<std::vector<std::uint32_t>> incoming(parts);  // per part: receive steps, in order
     for (std::size_t p = 0; p < parts; ++p) {
+      if (!roots(p)) continue;
       const int root_p = root(group, p);
       for_pieces(p, [&](std::size_t j, ElemRange piece) {
-        if (roots(p)) {
-          for (int s = 0; s < n; ++s)
-            if (s != root_p && contributes(s))
-              incoming[p].push_back(add({.op = Step::Op::recv,
-                                         .peer = s,
-                                         .message = message(0, p, j),
-                                         .range = piece,
-                                         .slot = new_slot(piece)}));
-        } else if (feeds(p) && !identity) {
-          incoming[p].push_back(add({.op = Step::Op::recv,
-                                     .peer = root_p,
-                                     .message = message(1, p, j),
-                                     .range = piece,
-                                     .slot = new_slot(piece)}));
-        }
+        for (int s = 0; s < n; ++s)
+          if (s != root_p && contributes(s))
+            incoming[p].push_back(add(
+                {.op = Step::Op::recv, .peer = s, .message = message(0, p, j), .range = piece, .slot = new_slot(piece)}));
+      });
+    }
+    for (std::size_t p = 0; p < parts; ++p) {
+      if (!feeds(p) || identity) continue;
+      for_pieces(p, [&](std::size_t j, ElemRange piece) {
+        incoming[p].push_back(add({.op = Step::Op::recv,
+                                   .peer = root(group, p),
+                                   .message = message(1, p, j),
+                                   .range = piece,
+                                   .slot = new_slot(piece)}));
       });
     }
     // Contributions leave for the roots.

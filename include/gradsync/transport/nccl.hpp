@@ -19,7 +19,7 @@
 // Matching. NCCL has no tags: the device messages between two ranks are matched in the order the
 // two post them, and a send must be exactly as long as its receive. The Synchronizer runs only
 // topologies that post each pair's messages in one order on both sides (PairOrderedTopology,
-// concepts.hpp: topology::Ring; the parameter server does not, and is refused at compile time),
+// concepts.hpp: topology::Ring and topology::ParameterServer; Hierarchical is refused at compile time),
 // with sizes both sides know (plain values, or the device codecs' fixed-size encodings). A
 // caller of its own must keep that order: mismatched messages of equal size would be swapped
 // silently. Posted device operations wait in this rank's
