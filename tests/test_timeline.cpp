@@ -116,6 +116,51 @@ TEST_SUITE("timeline") {
     std::filesystem::remove_all(dir);
   }
 
+  TEST_CASE("the asynchronous parameter server writes a trace per rank: ready, wait, pushes, pulls, replies") {
+    constexpr int iterations = 4;
+    const auto dir = fresh_directory();
+    const std::string path = (dir / "trace.json").string();
+    const auto errors = test::run_ranks(2, [&](InProcess& t) {
+      std::vector<float> weight = test::random_values(3000, 5u + static_cast<unsigned>(t.rank()));
+      async::Synchronizer<compression::None, InProcess> sync(std::move(t), {.staleness = 1, .timeline = path});
+      sync.add("w", weight);
+      for (int i = 0; i < iterations; ++i) {
+        sync.ready(0);
+        sync.wait();
+      }
+      sync.finish();
+    });
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    for (int rank = 0; rank < 2; ++rank) {
+      CAPTURE(rank);
+      std::ifstream in(dir / ("trace." + std::to_string(rank) + ".async.json"));
+      REQUIRE(in);
+      const nlohmann::json trace = nlohmann::json::parse(in);
+      CHECK(trace["otherData"]["dropped"] == 0);
+      std::map<int, std::string> thread_names;
+      for (const auto& e : trace["traceEvents"])
+        if (e["name"] == "thread_name") thread_names[e["tid"]] = e["args"]["name"];
+      std::map<std::string, int> count;
+      std::vector<int> waited;
+      for (const auto& e : trace["traceEvents"]) {
+        const std::string ph = e["ph"], name = e["name"];
+        if (ph == "M") continue;
+        CHECK(thread_names.count(e["tid"]) == 1);
+        if (name == "ready" || name == "wait") CHECK(thread_names[e["tid"]].starts_with("trainer (thread "));
+        if (name == "wait") waited.push_back(e["args"]["iteration"]);
+        if (ph != "e") ++count[name];
+      }
+      CHECK(count["ready"] == iterations);
+      CHECK(waited == std::vector<int>{0, 1, 2, 3});
+      const std::string peer = std::to_string(1 - rank);
+      CHECK(count["send to " + peer] > 0);    // pushes, pulls, replies to the other rank
+      CHECK(count["recv from " + peer] > 0);
+      CHECK(count["encode"] >= iterations);  // at least this rank's pushes
+      CHECK(count["decode"] > 0);
+    }
+    std::filesystem::remove_all(dir);
+  }
+
   TEST_CASE("past its capacity a timeline counts what it drops") {
     const auto dir = fresh_directory();
     Timeline timeline((dir / "t.0.json").string(), 0, 4);

@@ -5,7 +5,8 @@
 //
 // Turned on by Options::timeline, or by the environment variable GRADSYNC_TIMELINE=PATH; each
 // rank writes PATH with ".<rank>" inserted before ".json" (trace.json: trace.0.json,
-// trace.1.json, ...) when its Synchronizer is destroyed. Events, with the track they go on:
+// trace.1.json, ...) when its Synchronizer is destroyed (async::Synchronizer: ".<rank>.async",
+// its messages as transfers; async/synchronizer.hpp). Events, with the track they go on:
 //   ready        an instant, per gradient marked ready (the caller's thread)
 //   wait         wait()'s time, the iteration in args (the caller's thread)
 //   bucket b     from the bucket's packing to its averages written back (async track "buckets")

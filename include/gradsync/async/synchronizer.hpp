@@ -85,6 +85,11 @@
 // Once this rank is in finish(), a peer that goes is not a failure: ranks close only after every
 // worker has finished.
 //
+// Timeline. With Options::timeline (or GRADSYNC_TIMELINE) set, each rank writes Chrome trace
+// events (timeline.hpp) when it is destroyed: ready marks and wait() on the trainer's thread;
+// every push, pull, reply, parameter and average message as a transfer from posting to completion
+// (its "bucket" is the part it carries); the encodes and decodes of pushes and global gradients.
+//
 // Not yet: dedicated servers and partition counts other than N (a dead rank's part could then
 // move to a live server); f16/bf16/f64 gradients.
 
@@ -93,8 +98,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -112,6 +120,7 @@
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/error.hpp"
 #include "gradsync/schedule.hpp"
+#include "gradsync/timeline.hpp"
 #include "gradsync/topology/ring.hpp"
 #include "gradsync/transport/completion.hpp"
 #include "gradsync/types.hpp"
@@ -123,6 +132,11 @@ struct Options {
   int quorum = 0;     // M: pushes that close an iteration; 0 means every worker (N)
   int period = 0;     // K: parameters averaged every K iterations; 0: never
   std::chrono::milliseconds timeout = std::chrono::minutes(2);  // every wait of the trainer's
+  // Chrome trace events of this rank (the top of async/synchronizer.hpp), written when the
+  // synchronizer is destroyed to this path with the rank inserted before ".json"; empty: the
+  // environment variable GRADSYNC_TIMELINE if set, else no timeline.
+  std::string timeline{};
+  std::size_t timeline_events = std::size_t{1} << 18;  // kept at most (1 to 2^27); later ones are dropped
 };
 
 // What the last wait() applied, part by part, and what this rank's server did so far.
@@ -159,6 +173,9 @@ class Synchronizer final : private transport::CompletionSink {
       throw Error(ErrorKind::unsupported, here("options"), fmt::format("{} workers; contributor masks hold 64", n_));
     detail::check_setting(options_.timeout.count() > 0, "async::Options", "timeout",
                           fmt::format("{} ms", options_.timeout.count()), "more than 0 ms");
+    detail::check_setting(options_.timeline_events >= 1 && options_.timeline_events <= Timeline::max_capacity,
+                          "async::Options", "timeline_events", options_.timeline_events,
+                          fmt::format("between 1 and {}", Timeline::max_capacity));
     detail::validate_policy(codec_);
   }
 
@@ -185,6 +202,13 @@ class Synchronizer final : private transport::CompletionSink {
       try {
         transport_.wait(requests_[i], finished_ ? Clock::now() : Clock::now() + options_.timeout);
       } catch (const Error&) {
+      }
+    }
+    if (timeline_) {
+      try {
+        timeline_->write();
+      } catch (const Error& e) {
+        std::fprintf(stderr, "gradsync: %s\n", e.what());  // a destructor must not throw
       }
     }
   }
@@ -237,6 +261,7 @@ class Synchronizer final : private transport::CompletionSink {
                   fmt::format("gradient {:?} (id {}) was marked ready twice in one iteration; call wait() before "
                               "starting the next",
                               names_[id], id));
+    if (timeline_) timeline_->record(Timeline::Kind::ready, Timeline::now(), 0, id);
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) wake_thread();
   }
 
@@ -256,6 +281,7 @@ class Synchronizer final : private transport::CompletionSink {
                               options_.staleness));
     if (!thread_.joinable()) start();
     const auto started = Clock::now();
+    const std::int64_t traced_start = timeline_ ? Timeline::now() : 0;
     std::unique_lock lock(mutex_);
     const std::uint64_t t = iteration_;
     if (pending_.load(std::memory_order_acquire) != 0)
@@ -268,6 +294,7 @@ class Synchronizer final : private transport::CompletionSink {
                               [&] { return error_ || (pushed_ > t && applicable(t, staleness)); }))
       throw too_old(t, staleness);
     if (error_) throw *error_;
+    if (timeline_) timeline_->record(Timeline::Kind::wait, traced_start, 0, t);
     report_.iteration = t;
     report_.blocked = Clock::now() - started;
     report_.age = 0;
@@ -452,6 +479,8 @@ class Synchronizer final : private transport::CompletionSink {
     parameters_from_.assign(per_peer, 0);
     report_.applied.assign(per_peer, -1);
     report_.contributors.assign(per_peer, 0);
+    posted_at_.assign(requests_.size(), 0);
+    open_timeline();
     marked_ = std::vector<std::atomic<std::uint8_t>>(gradients_.size());
     pending_.store(gradients_.size(), std::memory_order_release);
     thread_ = std::thread([this] { run(); });
@@ -579,6 +608,7 @@ class Synchronizer final : private transport::CompletionSink {
       return;
     }
     posted_[i] = 1;
+    if (timeline_) posted_at_[i] = Timeline::now();
     if (is_send && peer != group_.rank) sent_ += bytes.size();  // what goes to itself crosses no link
   }
 
@@ -669,6 +699,7 @@ class Synchronizer final : private transport::CompletionSink {
       return;
     }
     posted_[i] = 0;
+    if (timeline_) trace_transfer(site, peer, i, bytes);
     switch (site) {
       case push_received:
         contribute(peer, whole(received_pushes_[peer]).first(bytes));
@@ -704,6 +735,37 @@ class Synchronizer final : private transport::CompletionSink {
       case done_sent:
       case sites: break;
     }
+  }
+
+  // ---- timeline ----
+
+  // Options::timeline, or GRADSYNC_TIMELINE: this rank's trace file, "async" after the rank (a
+  // synchronous Synchronizer of the same process writes the rank's own).
+  void open_timeline() {
+    std::string path = options_.timeline;
+    if (const char* from_env = std::getenv("GRADSYNC_TIMELINE"); path.empty() && from_env) path = from_env;
+    if (path.empty()) return;
+    timeline_ = std::make_unique<Timeline>(Timeline::rank_path(path, fmt::format("{}.async", transport_.rank())),
+                                           transport_.rank(), options_.timeline_events);
+    timeline_->name_gradients(names_);
+  }
+
+  std::int64_t trace_start() const noexcept { return timeline_ ? Timeline::now() : 0; }
+
+  // An encode or decode of part p's `elements` values that began at `start`.
+  void trace_compute(Timeline::Kind kind, std::int64_t start, int p, std::size_t elements) {
+    if (timeline_) timeline_->record(kind, start, static_cast<std::uint32_t>(p), elements);
+  }
+
+  // A completed request, from its posting: its "bucket" is the part the message carries (the
+  // peer's as server for what this rank sends or gets as worker, this rank's own otherwise).
+  void trace_transfer(Site site, int peer, std::size_t i, std::size_t bytes) {
+    const bool as_worker = site == push_sent || site == pull_sent || site == reply_received ||
+                           site == parameters_sent || site == average_received;
+    const bool sent = site == push_sent || site == pull_sent || site == reply_sent || site == parameters_sent ||
+                      site == average_sent || site == done_sent;
+    timeline_->record(sent ? Timeline::Kind::send : Timeline::Kind::recv, posted_at_[i],
+                      static_cast<std::uint32_t>(as_worker ? peer : group_.rank), bytes, group_.members[peer]);
   }
 
   // A message shorter than its receive: the ranks registered different parameters (a longer one
@@ -753,8 +815,10 @@ class Synchronizer final : private transport::CompletionSink {
         continue;
       }
       const std::span<std::byte> out = whole(push_bytes_[p]);
+      const std::int64_t encoding = trace_start();
       const std::size_t bytes =
           header_bytes + codec_.encode(std::span<const float>(flat_part(p)), push_states_[p], out.subspan(header_bytes));
+      trace_compute(Timeline::Kind::encode, encoding, p, parts_[p].size());
       std::memcpy(out.data(), &t, 8);
       std::memset(out.data() + 8, 0, 8);
       pushes_encoded_[p] = t + 1;
@@ -802,8 +866,10 @@ class Synchronizer final : private transport::CompletionSink {
     if (count > 1) ++summed_received_;
     arrived_newest_[p] = newest;
     const std::span<float> pending = pending_part(p);
+    const std::int64_t decoding = trace_start();
     codec_.decode(message.subspan(reply_header_bytes(count)), pending,
                   pending_newest_[p] < 0 ? DecodeMode::overwrite : DecodeMode::add);
+    trace_compute(Timeline::Kind::decode, decoding, p, pending.size());
     pending_newest_[p] = newest;
     for (std::int64_t iteration = oldest; iteration <= newest; ++iteration) {
       std::uint64_t contributors;
@@ -840,7 +906,9 @@ class Synchronizer final : private transport::CompletionSink {
                               options_.staleness));
     const std::size_t own = parts_[group_.rank].size();
     const std::size_t at = (t % window_) * static_cast<std::size_t>(n_) + static_cast<std::size_t>(worker);
+    const std::int64_t decoding = trace_start();
     codec_.decode(message.subspan(header_bytes), std::span(contributions_).subspan(at * own, own), DecodeMode::overwrite);
+    trace_compute(Timeline::Kind::decode, decoding, group_.rank, own);
     arrived_[at] = 1;
     ++arrivals_[t % window_];
     // Iterations close in order: a worker's pushes arrive in order, so a later iteration never
@@ -881,8 +949,10 @@ class Synchronizer final : private transport::CompletionSink {
     std::memcpy(out.data(), &t, 8);
     std::memcpy(out.data() + 8, &one, 8);
     std::memcpy(out.data() + 16, &used, 8);
+    const std::int64_t encoding = trace_start();
     global->size = reply_header_bytes(1) +
                    codec_.encode(std::span<const float>(sum_), global_state_, out.subspan(reply_header_bytes(1)));
+    trace_compute(Timeline::Kind::encode, encoding, group_.rank, own);
     global->iteration = t;
     global->filled = true;
     std::fill_n(arrived_.begin() + static_cast<std::ptrdiff_t>(base), n_, std::uint8_t{0});
@@ -918,15 +988,19 @@ class Synchronizer final : private transport::CompletionSink {
     const std::uint64_t newest = reply_slots_.back()->iteration, count = reply_slots_.size();
     std::memcpy(out.data(), &newest, 8);
     std::memcpy(out.data() + 8, &count, 8);
+    const std::int64_t summing = trace_start();
     for (std::size_t i = 0; i < reply_slots_.size(); ++i) {
       const GlobalSlot& g = *reply_slots_[i];
       std::memcpy(out.data() + 16 + 8 * i, whole(g.bytes).data() + 16, 8);  // its contributors
       codec_.decode(whole(g.bytes).first(g.size).subspan(reply_header_bytes(1)), std::span(summed_),
                     i == 0 ? DecodeMode::overwrite : DecodeMode::add);
     }
+    trace_compute(Timeline::Kind::decode, summing, group_.rank, summed_.size() * count);
+    const std::int64_t encoding = trace_start();
     const std::size_t size =
         reply_header_bytes(count) + codec_.encode(std::span<const float>(summed_), summed_states_[w],
                                                   out.subspan(reply_header_bytes(count)));
+    trace_compute(Timeline::Kind::encode, encoding, group_.rank, summed_.size());
     reply_from_[w] = summed_reply;
     post(reply_sent, w, true, reply, replies_sent_[w]++, out.first(size));
   }
@@ -1036,6 +1110,7 @@ class Synchronizer final : private transport::CompletionSink {
   int dead_count_ = 0;
   std::uint64_t lost_ = 0;               // dead_ as a mask
   StepReport report_;
+  std::unique_ptr<Timeline> timeline_;  // set in start(), before the thread: read by both sides
 
   // The thread's inbox.
   std::mutex events_mutex_;
@@ -1046,6 +1121,7 @@ class Synchronizer final : private transport::CompletionSink {
   // Requests, and whether each is posted (its completion not handled yet).
   std::vector<Request> requests_;
   std::vector<std::uint8_t> posted_;
+  std::vector<std::int64_t> posted_at_;  // per request, on the timeline: when it was posted
 
   // Worker.
   std::vector<float> flat_;  // the gradients, one after another
