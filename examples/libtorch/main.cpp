@@ -25,6 +25,7 @@
 #include "gradsync/libtorch.hpp"
 #include "idx.hpp"
 #include "model.hpp"
+#include "trainer.hpp"  // fmnist's: EpochReport
 #include "toolkit/codec_by_name.hpp"
 #include "toolkit/connect.hpp"
 #include "toolkit/json.hpp"
@@ -71,19 +72,8 @@ void declare_options(CLI::App& app, Options& o) {
   app.footer("Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.");
 }
 
-struct EpochReport {
-  int epoch = 0;
-  std::size_t steps = 0;
-  double seconds = 0;
-  double samples_per_second = 0;  // every rank's samples
-  double loss = 0;                // mean of this rank's batch losses
-  double test_accuracy = -1;      // -1 where not evaluated
-  double exposed_seconds = 0;     // time wait() blocked
-  std::uint64_t bytes_sent = 0;   // by this rank
-};
-
 template <class Sync>
-std::vector<EpochReport> train(const Options& o, Sync& sync, Net& net, const fmnist::Dataset& data,
+std::vector<fmnist::EpochReport> train(const Options& o, Sync& sync, Net& net, const fmnist::Dataset& data,
                                const fmnist::Dataset* test) {
   gs::libtorch::AutogradHooks hooks(sync, net->named_parameters());
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(o.learning_rate).momentum(o.momentum));
@@ -98,10 +88,10 @@ std::vector<EpochReport> train(const Options& o, Sync& sync, Net& net, const fmn
   const auto images = libtorch_fmnist::images_tensor(x, static_cast<std::int64_t>(o.batch));
   const auto labels = torch::from_blob(y.data(), {static_cast<std::int64_t>(o.batch)}, torch::kLong);
   const auto progress = rank == 0 ? tk::progress_printer() : nullptr;
-  std::vector<EpochReport> reports;
+  std::vector<fmnist::EpochReport> reports;
   for (int epoch = 1; epoch <= o.epochs; ++epoch) {
     fmnist::epoch_order(order, o.seed, epoch);
-    EpochReport report{.epoch = epoch, .steps = steps};
+    fmnist::EpochReport report{.epoch = epoch, .steps = steps};
     double loss_sum = 0;
     const auto start = std::chrono::steady_clock::now();
     for (std::size_t step = 0; step < steps; ++step) {
