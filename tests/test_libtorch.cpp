@@ -1,7 +1,7 @@
 // gradsync::libtorch::AutogradHooks on the LibTorch trainer's CNN (examples/libtorch): two ranks'
 // data-parallel steps, each on half the batch, equal one process's steps on the whole batch; a
-// parameter autograd never reaches is named by wait(); parameters the hooks cannot serve are
-// refused by name.
+// parameter autograd never reaches is named by wait(); tied weights, a parameter hooked twice, a
+// replaced .grad; parameters the hooks cannot serve are refused by name.
 
 #include <doctest/doctest.h>
 
@@ -105,6 +105,44 @@ TEST_SUITE("libtorch") {
     hooks.zero();
     used->forward(torch::ones({3, 4})).sum().backward();
     CHECK_THROWS_WITH_AS(sync.wait(), doctest::Contains("\"unused.weight\""), Error);
+  }
+
+  TEST_CASE("tied weights are registered once, a parameter hooked twice is refused, and the hooks go with "
+            "their object") {
+    auto world = transport::InProcess::create_world(1);
+    auto other = transport::InProcess::create_world(1);
+    Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, transport::InProcess> sync(
+        std::move(world[0]), {.timeout = std::chrono::seconds(5)});
+    Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, transport::InProcess> second(
+        std::move(other[0]), {.timeout = std::chrono::seconds(5)});
+    torch::nn::Linear layer(4, 2);
+    torch::OrderedDict<std::string, torch::Tensor> tied;
+    tied.insert("encoder.weight", layer->weight);
+    tied.insert("decoder.weight", layer->weight);  // the same tensor under another name
+    tied.insert("bias", layer->bias);
+    {
+      libtorch::AutogradHooks hooks(sync, tied);
+      CHECK(hooks.size() == 2);
+      CHECK(sync.layout().size() == 2);
+      CHECK_THROWS_WITH_AS(libtorch::AutogradHooks(second, tied), doctest::Contains("already registered"), Error);
+      hooks.zero();
+      layer->forward(torch::ones({3, 4})).sum().backward();
+      sync.wait();  // both marked ready by autograd, once each
+    }
+    libtorch::AutogradHooks again(second, tied);  // the first object's hooks are gone
+    again.zero();
+    layer->forward(torch::ones({3, 4})).sum().backward();
+    second.wait();
+  }
+
+  TEST_CASE("a .grad replaced behind the hooks' back is named, not synchronized") {
+    auto world = transport::InProcess::create_world(1);
+    Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, transport::InProcess> sync(
+        std::move(world[0]), {.timeout = std::chrono::seconds(5)});
+    torch::nn::Linear layer(4, 2);
+    libtorch::AutogradHooks hooks(sync, layer->named_parameters());
+    layer->weight.mutable_grad() = torch::zeros_like(layer->weight);  // what zero_grad(set_to_none) leads to
+    CHECK_THROWS_WITH(layer->forward(torch::ones({3, 4})).sum().backward(), doctest::Contains("\"weight\""));
   }
 
   TEST_CASE("parameters the hooks cannot serve are refused by name") {

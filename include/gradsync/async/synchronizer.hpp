@@ -979,9 +979,10 @@ class Synchronizer final : private transport::CompletionSink {
     reply_slots_.erase(reply_slots_.begin(), first);
     if (reply_slots_.size() == 1) {
       GlobalSlot& g = *reply_slots_.front();
+      post(reply_sent, w, true, reply, replies_sent_[w]++, whole(g.bytes).first(g.size));
+      if (!posted_[index(reply_sent, w)]) return;  // w was found dead: nothing reads the slot
       ++g.readers;
       reply_from_[w] = static_cast<int>(&g - globals_.data());
-      post(reply_sent, w, true, reply, replies_sent_[w]++, whole(g.bytes).first(g.size));
       return;
     }
     const std::span<std::byte> out = whole(summed_bytes_[w]);
@@ -1001,8 +1002,8 @@ class Synchronizer final : private transport::CompletionSink {
         reply_header_bytes(count) + codec_.encode(std::span<const float>(summed_), summed_states_[w],
                                                   out.subspan(reply_header_bytes(count)));
     trace_compute(Timeline::Kind::encode, encoding, group_.rank, summed_.size());
-    reply_from_[w] = summed_reply;
     post(reply_sent, w, true, reply, replies_sent_[w]++, out.first(size));
+    if (posted_[index(reply_sent, w)]) reply_from_[w] = summed_reply;
   }
 
   // Worker w's reply has left (or failed): what it read is free again.

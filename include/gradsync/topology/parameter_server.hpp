@@ -44,7 +44,10 @@ struct ParameterServer {
   std::size_t chunk_elements = std::size_t{1} << 18;  // 1 MiB of f32
   // Between two ranks a and b, a sends b its contributions to b's parts, then the results of its
   // own parts; b posts its receives from a in that order too (all contributions before any
-  // result), so both ends of a pair post its messages in one order (PairOrderedTopology).
+  // result), so both ends of a pair post its messages in one order (PairOrderedTopology). The
+  // result receives come after this rank's own result sends in the list: a transport that starts
+  // what is posted as one group and completes it as one (NCCL) must not hold a contribution back
+  // behind a result that cannot come before it.
   static constexpr bool posts_pairs_in_order = true;
 
   std::string describe() const {
@@ -122,8 +125,9 @@ struct ParameterServer {
     const auto roots = [&](std::size_t p) { return group.rank == root(group, p); };
     const auto feeds = [&](std::size_t p) { return !roots(p) && contributes(group.rank); };
 
-    // Receives first, into fresh slots: contributions at the roots, then encoded results
-    // elsewhere (every contribution's receive before any result's, the order each peer sends in).
+    // Contributions are received first, into fresh slots at the roots; encoded results after the
+    // roots' own sends, below (every contribution's receive before any result's, the order each
+    // peer sends in).
     std::vector<std::vector<std::uint32_t>> incoming(parts);  // per part: receive steps, in order
     for (std::size_t p = 0; p < parts; ++p) {
       if (!roots(p)) continue;
@@ -133,16 +137,6 @@ struct ParameterServer {
           if (s != root_p && contributes(s))
             incoming[p].push_back(add(
                 {.op = Step::Op::recv, .peer = s, .message = message(0, p, j), .range = piece, .slot = new_slot(piece)}));
-      });
-    }
-    for (std::size_t p = 0; p < parts; ++p) {
-      if (!feeds(p) || identity) continue;
-      for_pieces(p, [&](std::size_t j, ElemRange piece) {
-        incoming[p].push_back(add({.op = Step::Op::recv,
-                                   .peer = root(group, p),
-                                   .message = message(1, p, j),
-                                   .range = piece,
-                                   .slot = new_slot(piece)}));
       });
     }
     // Contributions leave for the roots.
@@ -186,6 +180,17 @@ struct ParameterServer {
         for (int s = 0; s < n; ++s)
           if (s != root_p && contributes(s))
             add({.op = Step::Op::send, .peer = s, .message = message(1, p, j), .range = piece, .slot = slot});
+      });
+    }
+    // Encoded results are received into fresh slots.
+    for (std::size_t p = 0; p < parts; ++p) {
+      if (!feeds(p) || identity) continue;
+      for_pieces(p, [&](std::size_t j, ElemRange piece) {
+        incoming[p].push_back(add({.op = Step::Op::recv,
+                                   .peer = root(group, p),
+                                   .message = message(1, p, j),
+                                   .range = piece,
+                                   .slot = new_slot(piece)}));
       });
     }
     // Contributors take the result: decoded from its slot, or received in place once their own
