@@ -44,7 +44,7 @@ std::uint64_t bits_digest(const std::vector<float>& values) {
 }
 
 // Workers 0 and 1 (the quorum) run every iteration while worker 2 waits after its first: then
-// every later global gradient is closed without it, its pushes are dropped, and its pulls find
+// every later global gradient is closed without it (it no longer pushes those), and its pulls find
 // several global gradients each. What it is left with over the run: every global gradient once,
 // and its own gradient of every iteration after the first (which no global gradient holds).
 // Iteration 0's gradients are 0, so whether worker 2 was in g_0 does not matter.
