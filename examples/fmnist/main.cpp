@@ -29,6 +29,7 @@
 #include "toolkit/options.hpp"
 #include "toolkit/progress.hpp"
 #include "toolkit/workers.hpp"
+#include "report.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -110,36 +111,8 @@ int train_and_report(const Options& o, Sync& sync, std::size_t workers, const st
                                leader ? tk::progress_printer() : fmnist::Progress{});
   throughput(reports);
   if (!leader) return 0;
-  double seconds = 0, exposed = 0, samples = 0;
-  std::uint64_t bytes = 0;
-  for (const auto& r : reports) {
-    fmt::print("epoch {}: test accuracy {:.4f} | {:.1f} s, {:.0f} samples/s | waiting on synchronization {:.1f} s "
-               "({:.0f}% of the time) | {:.1f} MB sent by rank 0 ({:.2f} MB a step)\n",
-               r.epoch, r.test_accuracy, r.seconds, r.samples_per_second, r.exposed_seconds,
-               100 * r.exposed_seconds / r.seconds, r.bytes_sent / 1e6, r.steps ? r.bytes_sent / 1e6 / r.steps : 0.0);
-    seconds += r.seconds;
-    samples += r.samples_per_second * r.seconds;
-    exposed += r.exposed_seconds;
-    bytes += r.bytes_sent;
-  }
-  const auto& last = reports.back();
-  fmt::print("done: {} ranks, {} epochs, test accuracy {:.4f}, {:.0f} samples/s, {:.0f}% of step time waiting on "
-             "synchronization\n",
-             sync.size(), reports.size(), last.test_accuracy, samples / seconds,
-             100 * exposed / seconds);
+  fmnist::print_epochs(reports, sync.size());
   if (!o.json.empty()) {
-    tk::Json epochs = tk::Json::array();
-    for (const auto& r : reports)
-      epochs.push_back({{"epoch", r.epoch},
-                        {"steps", r.steps},
-                        {"seconds", tk::rounded(r.seconds, 3)},
-                        {"samples_per_second", tk::rounded(r.samples_per_second, 1)},
-                        {"loss", tk::rounded(r.loss, 5)},
-                        {"test_accuracy", tk::rounded(r.test_accuracy, 4)},
-                        {"exposed_seconds", tk::rounded(r.exposed_seconds, 3)},
-                        {"bytes_sent", r.bytes_sent},
-                        {"max_age", r.max_age},
-                        {"local_parts_per_step", tk::rounded(r.local_parts, 3)}});
     tk::write_json(o.json, {{"ranks", sync.size()},
                             {"workers", train.workers},
                             {"batch_per_rank", o.train.batch},
@@ -157,7 +130,7 @@ int train_and_report(const Options& o, Sync& sync, std::size_t workers, const st
                             {"slow_factor", o.train.slow_factor},
                             {"learning_rate", tk::as_written(o.train.learning_rate)},
                             {"momentum", tk::as_written(o.train.momentum)},
-                            {"epochs", epochs}});
+                            {"epochs", fmnist::epochs_json(reports)}});
   }
   return 0;
 }

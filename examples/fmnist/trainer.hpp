@@ -62,6 +62,40 @@ struct EpochReport {
 // progress(epoch, step, steps, samples_per_second, loss) after every step.
 using Progress = std::function<void(int, std::size_t, std::size_t, double, double)>;
 
+// One epoch's clock, for this trainer and libtorch-fmnist's: progress after each step taken and,
+// at the end, the report's seconds, samples per second (of the global batch) and mean loss.
+class EpochMeter {
+ public:
+  EpochMeter(EpochReport& report, std::size_t global_batch, const Progress& progress)
+      : report_(report), global_(global_batch), progress_(progress), start_(std::chrono::steady_clock::now()) {}
+
+  // After step `step` (from 0), whose batch loss was `loss`.
+  void stepped(std::size_t step, double loss) {
+    loss_sum_ += loss;
+    if (!progress_) return;
+    progress_(report_.epoch, step + 1, report_.steps,
+              static_cast<double>((step + 1) * global_) / seconds_since_start(),
+              loss_sum_ / static_cast<double>(step + 1));
+  }
+
+  void finished() {
+    report_.seconds = seconds_since_start();
+    report_.samples_per_second = static_cast<double>(report_.steps * global_) / report_.seconds;
+    report_.loss = report_.steps ? loss_sum_ / static_cast<double>(report_.steps) : 0;
+  }
+
+ private:
+  double seconds_since_start() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+  EpochReport& report_;
+  std::size_t global_;
+  const Progress& progress_;
+  std::chrono::steady_clock::time_point start_;
+  double loss_sum_ = 0;
+};
+
 // Registers the model's gradients with `sync` (weights then bias, layer by layer) and trains.
 // `test` may be null (no evaluation). Every rank must call this with the same arguments.
 template <class Sync>
@@ -93,9 +127,9 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
   for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
     epoch_order(order, cfg.seed, epoch);
     EpochReport report{.epoch = epoch, .steps = steps};
-    double loss_sum = 0, local_parts = 0;
+    EpochMeter meter(report, global, progress);
+    double local_parts = 0;
     std::chrono::steady_clock::duration computed{};
-    const auto start = std::chrono::steady_clock::now();
     for (std::size_t step = 0; step < steps; ++step) {
       if constexpr (!Asynchronous<Sync>) {
         if (server) {  // its part of every synchronization, in backward's order
@@ -117,7 +151,7 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
                     x.begin() + static_cast<std::ptrdiff_t>(s * data.pixels));
         y[s] = data.labels[sample];
       }
-      loss_sum += model.train_step(x.data(), y.data(), cfg.batch, [&](std::size_t l) {
+      const double loss = model.train_step(x.data(), y.data(), cfg.batch, [&](std::size_t l) {
         sync.ready(ids[l].first);
         sync.ready(ids[l].second);
       });
@@ -144,15 +178,9 @@ std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, cons
         report.exposed_seconds += std::chrono::duration<double>(sync.last_iteration().exposed).count();
         report.bytes_sent += sync.last_iteration().bytes_sent;
       }
-      if (progress) {
-        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        progress(epoch, step + 1, steps, static_cast<double>((step + 1) * global) / elapsed,
-                 loss_sum / static_cast<double>(step + 1));
-      }
+      meter.stepped(step, loss);
     }
-    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    report.samples_per_second = static_cast<double>(steps * global) / report.seconds;
-    report.loss = steps ? loss_sum / static_cast<double>(steps) : 0;
+    meter.finished();
     report.local_parts = steps ? local_parts / static_cast<double>(steps) : 0;
     if (test)
       report.test_accuracy =

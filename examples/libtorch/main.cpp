@@ -25,7 +25,7 @@
 #include "gradsync/libtorch.hpp"
 #include "idx.hpp"
 #include "model.hpp"
-#include "trainer.hpp"  // fmnist's: EpochReport
+#include "report.hpp"  // fmnist's: EpochReport, what is printed and written of it
 #include "toolkit/codec_by_name.hpp"
 #include "toolkit/connect.hpp"
 #include "toolkit/json.hpp"
@@ -87,13 +87,12 @@ std::vector<fmnist::EpochReport> train(const Options& o, Sync& sync, Net& net, c
   std::vector<std::int64_t> y(o.batch);
   const auto images = libtorch_fmnist::images_tensor(x, static_cast<std::int64_t>(o.batch));
   const auto labels = torch::from_blob(y.data(), {static_cast<std::int64_t>(o.batch)}, torch::kLong);
-  const auto progress = rank == 0 ? tk::progress_printer() : nullptr;
+  const fmnist::Progress progress = rank == 0 ? tk::progress_printer() : fmnist::Progress{};
   std::vector<fmnist::EpochReport> reports;
   for (int epoch = 1; epoch <= o.epochs; ++epoch) {
     fmnist::epoch_order(order, o.seed, epoch);
     fmnist::EpochReport report{.epoch = epoch, .steps = steps};
-    double loss_sum = 0;
-    const auto start = std::chrono::steady_clock::now();
+    fmnist::EpochMeter meter(report, global, progress);
     for (std::size_t step = 0; step < steps; ++step) {
       for (std::size_t s = 0; s < o.batch; ++s) {
         const std::size_t sample = order[step * global + rank * o.batch + s];
@@ -106,18 +105,11 @@ std::vector<fmnist::EpochReport> train(const Options& o, Sync& sync, Net& net, c
       loss.backward();  // marks each gradient ready as autograd accumulates it
       sync.wait();
       optimizer.step();
-      loss_sum += loss.template item<double>();
       report.exposed_seconds += std::chrono::duration<double>(sync.last_iteration().exposed).count();
       report.bytes_sent += sync.last_iteration().bytes_sent;
-      if (progress) {
-        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        progress(epoch, step + 1, steps, static_cast<double>((step + 1) * global) / elapsed,
-                 loss_sum / static_cast<double>(step + 1));
-      }
+      meter.stepped(step, loss.template item<double>());
     }
-    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    report.samples_per_second = static_cast<double>(steps * global) / report.seconds;
-    report.loss = steps ? loss_sum / static_cast<double>(steps) : 0;
+    meter.finished();
     if (test)
       report.test_accuracy = static_cast<double>(libtorch_fmnist::correct(net, test->images, test->labels, test->count)) /
                              static_cast<double>(test->count);
@@ -144,31 +136,8 @@ int run(const Options& o, tk::JobTransport transport, const Codec& codec, const 
                TORCH_VERSION, "fixed-size", codec.describe(), topology.describe(), o.learning_rate, o.momentum);
   const auto reports = train(o, sync, net, train_set, leader ? &test_set : nullptr);
   if (!leader) return 0;
-  double seconds = 0, exposed = 0, samples = 0;
-  for (const auto& r : reports) {
-    fmt::print("epoch {}: test accuracy {:.4f} | {:.1f} s, {:.0f} samples/s, {:.1f} ms a step | waiting on "
-               "synchronization {:.1f} s ({:.0f}% of the time) | {:.1f} MB sent by rank 0\n",
-               r.epoch, r.test_accuracy, r.seconds, r.samples_per_second, 1e3 * r.seconds / static_cast<double>(r.steps),
-               r.exposed_seconds, 100 * r.exposed_seconds / r.seconds, static_cast<double>(r.bytes_sent) / 1e6);
-    seconds += r.seconds;
-    samples += r.samples_per_second * r.seconds;
-    exposed += r.exposed_seconds;
-  }
-  fmt::print("done: {} ranks, {} epochs, test accuracy {:.4f}, {:.0f} samples/s, {:.0f}% of step time waiting on "
-             "synchronization\n",
-             sync.size(), reports.size(), reports.back().test_accuracy, samples / seconds, 100 * exposed / seconds);
+  fmnist::print_epochs(reports, sync.size());
   if (!o.json.empty()) {
-    tk::Json epochs = tk::Json::array();
-    for (const auto& r : reports)
-      epochs.push_back({{"epoch", r.epoch},
-                        {"steps", r.steps},
-                        {"seconds", tk::rounded(r.seconds, 3)},
-                        {"step_seconds", tk::rounded(r.seconds / static_cast<double>(r.steps), 5)},
-                        {"samples_per_second", tk::rounded(r.samples_per_second, 1)},
-                        {"loss", tk::rounded(r.loss, 5)},
-                        {"test_accuracy", tk::rounded(r.test_accuracy, 4)},
-                        {"exposed_seconds", tk::rounded(r.exposed_seconds, 3)},
-                        {"bytes_sent", r.bytes_sent}});
     tk::write_json(o.json, {{"program", "libtorch-fmnist"},
                             {"libtorch", TORCH_VERSION},
                             {"ranks", sync.size()},
@@ -180,7 +149,7 @@ int run(const Options& o, tk::JobTransport transport, const Codec& codec, const 
                             {"topology", topology.describe()},
                             {"learning_rate", tk::as_written(o.learning_rate)},
                             {"momentum", tk::as_written(o.momentum)},
-                            {"epochs", epochs}});
+                            {"epochs", fmnist::epochs_json(reports)}});
   }
   return 0;
 }
