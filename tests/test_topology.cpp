@@ -36,9 +36,12 @@ namespace {
 // list order, are the receives b posts from a, in list order, message for message and size for
 // size. Empty when it holds, else the first pair where it does not.
 template <class T>
-std::string pair_order_broken(const T& topology, int n, std::size_t elements, bool identity) {
+std::string pair_order_broken(const T& topology, int n, std::size_t elements, bool identity,
+                              bool receives_at_use = false) {
   std::vector<Schedule> schedules;
-  for (int r = 0; r < n; ++r) schedules.push_back(topology.schedule(Group::world(r, n), elements, {.identity = identity}));
+  for (int r = 0; r < n; ++r)
+    schedules.push_back(
+        topology.schedule(Group::world(r, n), elements, {.identity = identity, .receives_at_use = receives_at_use}));
   for (int a = 0; a < n; ++a)
     for (int b = 0; b < n; ++b) {
       std::vector<std::pair<std::uint32_t, std::size_t>> sent, received;
@@ -52,11 +55,12 @@ std::string pair_order_broken(const T& topology, int n, std::size_t elements, bo
 }
 
 // Plays every rank's list as the serial executor walks it over transport::Nccl: transfers are
-// queued as they are posted; a wait (a step's `after`, and each transfer at the end) hands the
-// queue to NCCL as one group on the rank's one stream; a rank's groups run one after another, and
-// a group completes only as a whole, once every transfer in it meets its partner (the peer's
-// transfer of the same pair, direction and ordinal) in the group running on the peer. Empty if
-// every rank finishes, else where the first rank stuck waits.
+// queued as they are posted; every wait (a step's `after` not waited for yet, and each transfer
+// at the end) first hands the queue to NCCL as one group on the rank's one stream, done or not;
+// a rank's groups run one after another, and a group completes only as a whole, once every
+// transfer in it meets its partner (the peer's transfer of the same pair, direction and ordinal)
+// in the group running on the peer. Empty if every rank finishes, else where the first stuck
+// rank waits.
 std::string nccl_deadlock(const std::vector<Schedule>& schedules) {
   const int n = static_cast<int>(schedules.size());
   const auto transfer = [](const Step& s) { return s.op == Step::Op::send || s.op == Step::Op::recv; };
@@ -81,16 +85,29 @@ std::string nccl_deadlock(const std::vector<Schedule>& schedules) {
     }
   }
   struct Rank {
-    std::size_t pc = 0;
+    std::size_t pc = 0;       // the next step to walk
+    std::size_t closing = 0;  // after the walk: the next transfer to wait for
     std::vector<std::uint32_t> queue;
     std::vector<std::vector<std::uint32_t>> stream;  // groups handed to NCCL, oldest first
-    std::vector<bool> done;
+    std::vector<bool> done, waited;
   };
   std::vector<Rank> ranks(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) ranks[static_cast<std::size_t>(r)].done.assign(schedules[static_cast<std::size_t>(r)].steps.size(), false);
+  for (int r = 0; r < n; ++r) {
+    ranks[static_cast<std::size_t>(r)].done.assign(schedules[static_cast<std::size_t>(r)].steps.size(), false);
+    ranks[static_cast<std::size_t>(r)].waited.assign(schedules[static_cast<std::size_t>(r)].steps.size(), false);
+  }
   const auto flush = [](Rank& rank) {
     if (rank.queue.empty()) return false;
     rank.stream.push_back(std::exchange(rank.queue, {}));
+    return true;
+  };
+  // The executor's wait for transfer i: flushes if i is still queued, then goes on only once i is
+  // done.
+  const auto wait = [&](Rank& rank, std::uint32_t i, bool& progress) {
+    if (rank.waited[i]) return true;
+    if (std::find(rank.queue.begin(), rank.queue.end(), i) != rank.queue.end()) progress |= flush(rank);
+    if (!rank.done[i]) return false;
+    rank.waited[i] = true;
     return true;
   };
   for (bool progress = true; progress;) {
@@ -100,13 +117,18 @@ std::string nccl_deadlock(const std::vector<Schedule>& schedules) {
       const auto& steps = schedules[static_cast<std::size_t>(r)].steps;
       while (rank.pc < steps.size()) {
         const Step& step = steps[rank.pc];
-        if (step.after != no_step && transfer(steps[step.after]) && !rank.done[step.after]) break;
+        if (step.after != no_step && transfer(steps[step.after]) && !wait(rank, step.after, progress)) break;
         if (transfer(step)) rank.queue.push_back(static_cast<std::uint32_t>(rank.pc));
         ++rank.pc;
         progress = true;
       }
-      if (rank.pc == steps.size() || (rank.pc < steps.size() && steps[rank.pc].after != no_step))
-        progress |= flush(rank);  // the wait hands the queue over
+      if (rank.pc < steps.size()) continue;
+      while (rank.closing < steps.size()) {
+        const auto i = static_cast<std::uint32_t>(rank.closing);
+        if (transfer(steps[i]) && !wait(rank, i, progress)) break;
+        ++rank.closing;
+        progress = true;
+      }
     }
     for (int r = 0; r < n; ++r) {
       Rank& rank = ranks[static_cast<std::size_t>(r)];
@@ -127,7 +149,7 @@ std::string nccl_deadlock(const std::vector<Schedule>& schedules) {
   }
   for (int r = 0; r < n; ++r) {
     const Rank& rank = ranks[static_cast<std::size_t>(r)];
-    if (rank.pc < schedules[static_cast<std::size_t>(r)].steps.size() || !rank.stream.empty())
+    if (rank.closing < schedules[static_cast<std::size_t>(r)].steps.size() || !rank.stream.empty())
       return fmt::format("{} ranks: rank {} stuck at step {} of {}, {} group(s) unfinished", n, r, rank.pc,
                          schedules[static_cast<std::size_t>(r)].steps.size(), rank.stream.size());
   }
@@ -135,17 +157,18 @@ std::string nccl_deadlock(const std::vector<Schedule>& schedules) {
 }
 
 template <class T>
-std::string nccl_deadlock(const T& topology, int n, std::size_t elements, bool identity) {
+std::string nccl_deadlock(const T& topology, int n, std::size_t elements, CodecTraits traits) {
   std::vector<Schedule> schedules;
-  for (int r = 0; r < n; ++r) schedules.push_back(topology.schedule(Group::world(r, n), elements, {.identity = identity}));
+  for (int r = 0; r < n; ++r) schedules.push_back(topology.schedule(Group::world(r, n), elements, traits));
   return nccl_deadlock(schedules);
 }
 
 template <class C>
-void check_ring(int n, std::size_t elements, std::size_t chunk) {
+void check_ring(int n, std::size_t elements, std::size_t chunk, bool receives_at_use = false) {
   CAPTURE(n);
   CAPTURE(elements);
   CAPTURE(chunk);
+  CAPTURE(receives_at_use);
   const C codec;
   const topology::Ring ring{.chunk_elements = chunk};
   std::vector<std::vector<float>> inputs, outputs(static_cast<std::size_t>(n));
@@ -153,7 +176,7 @@ void check_ring(int n, std::size_t elements, std::size_t chunk) {
   const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
     const Group group = Group::world(t.rank(), n);
     engine::BucketExchange<C, transport::InProcess> exchange(
-        ring.schedule(group, elements, codec_traits<C>()), codec, DType::f32);
+        ring.schedule(group, elements, {.identity = C::identity, .receives_at_use = receives_at_use}), codec, DType::f32);
     auto& values = outputs[static_cast<std::size_t>(t.rank())];
     for (int iteration = 0; iteration < 2; ++iteration) {  // the same exchange runs again
       values = inputs[static_cast<std::size_t>(t.rank())];
@@ -655,8 +678,8 @@ TEST_SUITE("topology") {
     for (int n : {1, 2, 3, 5, 8}) check_pairing(topology::Ring{.chunk_elements = 3}, n);
   }
 
-  TEST_CASE("topology: over NCCL's all-or-nothing groups the parameter server finishes; Ring's up-front receives "
-          "would hang (docs/design.md, \"Not yet\")") {
+  TEST_CASE("topology: the parameter server's lists, and Ring's with receives at use, get through NCCL's "
+          "all-or-nothing groups") {
   for (int n = 1; n <= 5; ++n)
     for (std::size_t elements : {5u, 1000u, 100003u})
       for (std::size_t chunk : {64u, 1u << 18})
@@ -672,15 +695,27 @@ TEST_SUITE("topology") {
                 const std::string stuck = nccl_deadlock(
                     topology::ParameterServer{
                         .partitions = partitions, .servers = servers, .dedicated = dedicated, .chunk_elements = chunk},
-                    n, elements, identity);
+                    n, elements, {.identity = identity});
                 CHECK_MESSAGE(stuck.empty(), "parameter server: " << stuck);
               }
-          // Ring lists every receive before its first send: the first wait flushes receives of
-          // later steps, which the neighbour sends only after its own first group completes. Alone
-          // or with two ranks and no allgather receives of its own (identity) it gets through.
+          const topology::Ring ring{.chunk_elements = chunk};
+          const std::string stuck = nccl_deadlock(ring, n, elements, {.identity = identity, .receives_at_use = true});
+          CHECK_MESSAGE(stuck.empty(), "ring, receives at use: " << stuck);
+          CHECK_MESSAGE(pair_order_broken(ring, n, elements, identity, true).empty(), "ring, receives at use");
+          // Listed up front (for tagged transports, so that data lands where it goes), every
+          // receive of the ring comes before its first send: over NCCL the first wait would flush
+          // receives of later steps, which the neighbour sends only after its own first group.
           const bool hangs = n >= 3 || (n == 2 && !identity);
-          CHECK(nccl_deadlock(topology::Ring{.chunk_elements = chunk}, n, elements, identity).empty() == !hangs);
+          CHECK(nccl_deadlock(ring, n, elements, {.identity = identity}).empty() == !hangs);
         }
+}
+
+TEST_CASE("topology: Ring with receives at use gives the same bits") {
+  for (int n : {2, 3, 5})
+    for (std::size_t elements : {1u, 1000u, 4099u}) {
+      check_ring<compression::None>(n, elements, 64, true);
+      check_ring<compression::TwoBit>(n, elements, 64, true);
+    }
 }
 
 TEST_CASE("the task graph orders every pair of steps that list order relies on") {

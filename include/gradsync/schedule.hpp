@@ -42,6 +42,10 @@ struct Group {
 // What a schedule needs to know about the codec it will run with.
 struct CodecTraits {
   bool identity = false;  // encoded bytes are the values themselves: send and receive in place
+  // Not the codec's but the transport's: it matches messages by order and completes them in
+  // all-or-nothing groups (transport::Nccl), so a receive listed before sends it does not need
+  // can hold them back: list each receive just before the step that uses it, not up front.
+  bool receives_at_use = false;
 };
 
 inline constexpr std::uint32_t no_slot = std::numeric_limits<std::uint32_t>::max();

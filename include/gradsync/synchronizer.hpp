@@ -409,8 +409,10 @@ class Synchronizer {
                                               !chosen.compressed && !C::identity, &transport_);
         }
       }
-      return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, codec_traits<C>()), codec_,
-                                          bucket.dtype, false, &transport_);
+      CodecTraits traits = codec_traits<C>();
+      traits.receives_at_use = OrderMatchedTransport<X>;  // NCCL's groups (schedule.hpp)
+      return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, traits), codec_, bucket.dtype,
+                                          false, &transport_);
     }();
     exchange.trace(timeline_.get(), static_cast<std::uint32_t>(b));
     return exchange;

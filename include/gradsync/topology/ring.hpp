@@ -56,7 +56,8 @@ struct Ring {
                              .position = group.rank,
                              .range = {0, elements},
                              .chunk_elements = chunk_elements,
-                             .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded})
+                             .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded,
+                             .receives_at_use = codec.receives_at_use})
         .allreduce();
     return out;
   }

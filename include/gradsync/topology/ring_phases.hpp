@@ -70,6 +70,9 @@ struct RingSpec {
   // paces another: the other ring waits for the first small pieces, not a whole chunk, and the last
   // ones finish sooner after it. Rings whose pieces must line up have to agree on it.
   bool taper = false;
+  // allreduce() lists each step's receives (every piece's) just before the step's first use of
+  // them instead of all up front (CodecTraits::receives_at_use: transport::Nccl).
+  bool receives_at_use = false;
 };
 
 // How a part of a segment is cut into pieces (RingSpec::chunk_elements, RingSpec::taper).
@@ -138,12 +141,33 @@ class RingPhases {
   // ---- phase by phase ----
 
   void allreduce() {
+    if (spec_.receives_at_use) return allreduce_receiving_at_use();
     post_reduce_receives();
     post_gather_receives();
     for_steps([&](int k, std::size_t p) { reduce_send(k, p); });
     for_pieces([&](std::size_t p) { owned_piece(p, /*sum=*/true, /*average=*/true, /*gather=*/true); });
     for_steps([&](int k, std::size_t p) { gather_receive_in_place(k, p); });
     for_steps([&](int k, std::size_t p) { gather_forward(k, p); });
+  }
+
+  // The same steps, each step's receives listed just before the step that first uses them, so
+  // that a step's sends and the receives pairing with the neighbours' sends of that step are
+  // handed to an all-or-nothing group together.
+  void allreduce_receiving_at_use() {
+    for_steps([&](int k, std::size_t p) {
+      if (k > 0 && p == 0) for_pieces([&](std::size_t q) { post_reduce_receive(k - 1, q); });
+      reduce_send(k, p);
+    });
+    if (steps() > 0) for_pieces([&](std::size_t q) { post_reduce_receive(steps() - 1, q); });
+    for_pieces([&](std::size_t p) { owned_piece(p, /*sum=*/true, /*average=*/true, /*gather=*/true); });
+    for_steps([&](int k, std::size_t p) {
+      if (p == 0)
+        for_pieces([&](std::size_t q) {
+          post_gather_receive(k, q);
+          gather_receive_in_place(k, q);
+        });
+      gather_forward(k, p);
+    });
   }
 
   void reduce_scatter() {
