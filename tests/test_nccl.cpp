@@ -244,47 +244,57 @@ TEST_CASE("nccl: every kind of step on the device gives the host's bits, for eve
   CHECK_MESSAGE(report == "ok", report);
 }
 
+// The Synchronizer over NCCL against the same gradients synchronized in host memory over Tcp,
+// with `topology` on both: a bucket of two gradients and one of a single gradient, three
+// iterations, the same bits (the lossy codec's average of one rank is its decoded encoding, with
+// the residual carried over). "ok" or what differs.
+template <class Topology>
+std::string synchronizer_matches_host(const Topology& topology) {
+  using Codec = compression::ErrorFeedback<compression::TwoBit>;
+  using Sync = Synchronizer<bucketing::FixedSize, Codec, Topology, transport::Nccl>;
+  using HostSync = Synchronizer<bucketing::FixedSize, Codec, Topology, transport::Tcp>;
+  const std::vector<std::size_t> sizes{1000, 1000, 70000};
+  std::vector<DeviceFloats> gradients;
+  std::vector<std::vector<float>> host(sizes.size());
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    gradients.emplace_back(std::vector<float>(sizes[g]));
+    host[g].resize(sizes[g]);
+  }
+  Sync sync(transport::Nccl(options(0, 1, test::free_port())), {}, bucketing::FixedSize{16384, 16384}, {}, topology);
+  transport::TcpOptions tcp = options(0, 1, test::free_port()).setup;
+  HostSync host_sync(transport::Tcp(tcp), {}, bucketing::FixedSize{16384, 16384}, {}, topology);
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    sync.add(fmt::format("g{}", g), view(std::span(gradients[g].data, gradients[g].size), Device::cuda(0)));
+    host_sync.add(fmt::format("g{}", g), view(std::span(host[g])));
+  }
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      const auto values = gradient_like(sizes[g], 100 * iteration + g);
+      std::copy(values.begin(), values.end(), host[g].begin());  // into the registered memory
+      cudaMemcpy(gradients[g].data, host[g].data(), sizes[g] * sizeof(float), cudaMemcpyHostToDevice);
+    }
+    for (GradId id = 0; id < sizes.size(); ++id) sync.ready(id), host_sync.ready(id);
+    sync.wait();
+    host_sync.wait();
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      const auto device = gradients[g].host();
+      if (std::memcmp(device.data(), host[g].data(), sizes[g] * sizeof(float)) != 0)
+        return fmt::format("{}, iteration {}: gradient {} differs from the host path", topology.describe(), iteration, g);
+    }
+  }
+  if (sync.last_iteration().buckets != 2)
+    return fmt::format("{}: {} buckets, expected 2", topology.describe(), sync.last_iteration().buckets);
+  return "ok";
+}
+
 TEST_CASE("nccl: the Synchronizer over NCCL, and what it refuses" * doctest::skip(no_device)) {
   const std::string report = one_child([] {
     using Codec = compression::ErrorFeedback<compression::TwoBit>;
     using Sync = Synchronizer<bucketing::FixedSize, Codec, topology::Ring, transport::Nccl>;
-    using HostSync = Synchronizer<bucketing::FixedSize, Codec, topology::Ring, transport::Tcp>;
-    // A bucket of two gradients and one of a single gradient, three iterations, against the
-    // same gradients synchronized in host memory over Tcp: the same bits (the lossy codec's
-    // average of one rank is its decoded encoding, with the residual carried over).
-    const std::vector<std::size_t> sizes{1000, 1000, 70000};
-    std::vector<DeviceFloats> gradients;
-    std::vector<std::vector<float>> host(sizes.size());
-    for (std::size_t g = 0; g < sizes.size(); ++g) {
-      gradients.emplace_back(std::vector<float>(sizes[g]));
-      host[g].resize(sizes[g]);
-    }
-    {
-      Sync sync(transport::Nccl(options(0, 1, test::free_port())), {}, bucketing::FixedSize{16384, 16384});
-      transport::TcpOptions tcp = options(0, 1, test::free_port()).setup;
-      HostSync host_sync(transport::Tcp(tcp), {}, bucketing::FixedSize{16384, 16384});
-      for (std::size_t g = 0; g < sizes.size(); ++g) {
-        sync.add(fmt::format("g{}", g), view(std::span(gradients[g].data, gradients[g].size), Device::cuda(0)));
-        host_sync.add(fmt::format("g{}", g), view(std::span(host[g])));
-      }
-      for (int iteration = 0; iteration < 3; ++iteration) {
-        for (std::size_t g = 0; g < sizes.size(); ++g) {
-          const auto values = gradient_like(sizes[g], 100 * iteration + g);
-          std::copy(values.begin(), values.end(), host[g].begin());  // into the registered memory
-          cudaMemcpy(gradients[g].data, host[g].data(), sizes[g] * sizeof(float), cudaMemcpyHostToDevice);
-        }
-        for (GradId id = 0; id < sizes.size(); ++id) sync.ready(id), host_sync.ready(id);
-        sync.wait();
-        host_sync.wait();
-        for (std::size_t g = 0; g < sizes.size(); ++g) {
-          const auto device = gradients[g].host();
-          if (std::memcmp(device.data(), host[g].data(), sizes[g] * sizeof(float)) != 0)
-            return fmt::format("iteration {}: gradient {} differs from the host path", iteration, g);
-        }
-      }
-      if (sync.last_iteration().buckets != 2)
-        return fmt::format("{} buckets, expected 2", sync.last_iteration().buckets);
-    }
+    for (const std::string& r : {synchronizer_matches_host(topology::Ring{}),
+                                 synchronizer_matches_host(topology::ParameterServer{}),
+                                 synchronizer_matches_host(topology::Hierarchical{.ranks_per_machine = 1})})
+      if (r != "ok") return r;
     // Refused: coordinated sends (they need the task graph), a host gradient, an f16 gradient.
     try {
       Options o;

@@ -394,7 +394,8 @@ std::vector<float> hierarchical_reference(const C& codec, int per_machine, const
 // rank's values and the last iteration's exchange statistics.
 template <class C, class Topology>
 std::pair<std::vector<std::vector<float>>, std::vector<engine::ExchangeStats>> run_topology(
-    const C& codec, const Topology& topology, const std::vector<std::vector<float>>& inputs, int iterations = 1) {
+    const C& codec, const Topology& topology, const std::vector<std::vector<float>>& inputs, int iterations = 1,
+    bool receives_at_use = false) {
   const int n = static_cast<int>(inputs.size());
   const std::size_t elements = inputs[0].size();
   std::vector<std::vector<float>> outputs(static_cast<std::size_t>(n));
@@ -402,8 +403,9 @@ std::pair<std::vector<std::vector<float>>, std::vector<engine::ExchangeStats>> r
   const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
     const Group group = Group::world(t.rank(), n);
     const auto r = static_cast<std::size_t>(t.rank());
-    engine::BucketExchange<C, transport::InProcess> exchange(topology.schedule(group, elements, codec_traits<C>()),
-                                                             codec, DType::f32);
+    CodecTraits traits = codec_traits<C>();
+    traits.receives_at_use = receives_at_use;
+    engine::BucketExchange<C, transport::InProcess> exchange(topology.schedule(group, elements, traits), codec, DType::f32);
     for (int iteration = 0; iteration < iterations; ++iteration) {
       outputs[r] = inputs[r];
       stats[r] = exchange.run(std::span<float>(outputs[r]), codec, t, {group, static_cast<std::uint64_t>(iteration), 0, 10s});
@@ -623,32 +625,34 @@ TEST_SUITE("topology") {
     const C codec;
     for (const auto& shape : machine_shapes)
       for (std::size_t elements : {1u, 2u, 7u, 13u, 1009u})
-        for (std::size_t chunk : {std::size_t{4}, std::size_t{1} << 18}) {
-          const int machines = shape.first, per_machine = shape.second;
-          const int n = machines * per_machine;
-          CAPTURE(machines);
-          CAPTURE(per_machine);
-          CAPTURE(elements);
-          CAPTURE(chunk);
-          std::vector<std::vector<float>> inputs;
-          for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(elements, 300u * static_cast<unsigned>(r) + elements));
-          const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk};
-          const auto outputs = run_topology(codec, hierarchical, inputs, 2).first;
-          const auto reference = hierarchical_reference(codec, per_machine, inputs);
-          for (int r = 0; r < n; ++r) {
-            CAPTURE(r);
-            REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);
-          }
-          if constexpr (C::identity)
-            for (std::size_t e = 0; e < elements; ++e) {
-              double exact = 0, scale = 0;
-              for (const auto& in : inputs) {
-                exact += in[e];
-                scale += std::fabs(in[e]);
-              }
-              REQUIRE(std::fabs(reference[e] - exact / n) <= 1e-6 * scale / n);
+        for (std::size_t chunk : {std::size_t{4}, std::size_t{1} << 18})
+          for (bool receives_at_use : {false, true}) {  // the listing for tagged transports, and NCCL's
+            const int machines = shape.first, per_machine = shape.second;
+            const int n = machines * per_machine;
+            CAPTURE(machines);
+            CAPTURE(per_machine);
+            CAPTURE(elements);
+            CAPTURE(chunk);
+            CAPTURE(receives_at_use);
+            std::vector<std::vector<float>> inputs;
+            for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(elements, 300u * static_cast<unsigned>(r) + elements));
+            const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk};
+            const auto outputs = run_topology(codec, hierarchical, inputs, 2, receives_at_use).first;
+            const auto reference = hierarchical_reference(codec, per_machine, inputs);
+            for (int r = 0; r < n; ++r) {
+              CAPTURE(r);
+              REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), reference.data(), elements * sizeof(float)) == 0);
             }
-        }
+            if constexpr (C::identity)
+              for (std::size_t e = 0; e < elements; ++e) {
+                double exact = 0, scale = 0;
+                for (const auto& in : inputs) {
+                  exact += in[e];
+                  scale += std::fabs(in[e]);
+                }
+                REQUIRE(std::fabs(reference[e] - exact / n) <= 1e-6 * scale / n);
+              }
+          }
   }
 
   TEST_CASE("hierarchical with error feedback: the same bits everywhere, compressed across machines only") {
@@ -661,8 +665,10 @@ TEST_SUITE("topology") {
       CAPTURE(per_machine);
       std::vector<std::vector<float>> inputs;
       for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(301, 11u * static_cast<unsigned>(r)));
-      const auto [outputs, stats] =
-          run_topology(codec, topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = 16}, inputs, 3);
+      const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = 16};
+      const auto [outputs, stats] = run_topology(codec, hierarchical, inputs, 3);
+      // Receives listed at use (transport::Nccl) change the order of the list, not the bits.
+      CHECK(run_topology(codec, hierarchical, inputs, 3, /*receives_at_use=*/true).first == outputs);
       for (int r = 0; r < n; ++r) {
         CAPTURE(r);
         REQUIRE(outputs[static_cast<std::size_t>(r)] == outputs[0]);
@@ -678,9 +684,9 @@ TEST_SUITE("topology") {
     for (int n : {1, 2, 3, 5, 8}) check_pairing(topology::Ring{.chunk_elements = 3}, n);
   }
 
-  TEST_CASE("topology: the parameter server's lists, and Ring's with receives at use, get through NCCL's "
-          "all-or-nothing groups") {
-  for (int n = 1; n <= 5; ++n)
+  TEST_CASE("topology: the parameter server's lists, and Ring's and Hierarchical's with receives at use, get "
+          "through NCCL's all-or-nothing groups") {
+  for (int n = 1; n <= 6; ++n)
     for (std::size_t elements : {5u, 1000u, 100003u})
       for (std::size_t chunk : {64u, 1u << 18})
         for (bool identity : {true, false}) {
@@ -702,6 +708,13 @@ TEST_SUITE("topology") {
           const std::string stuck = nccl_deadlock(ring, n, elements, {.identity = identity, .receives_at_use = true});
           CHECK_MESSAGE(stuck.empty(), "ring, receives at use: " << stuck);
           CHECK_MESSAGE(pair_order_broken(ring, n, elements, identity, true).empty(), "ring, receives at use");
+          for (int per_machine = 1; per_machine <= n; ++per_machine) {
+            if (n % per_machine != 0) continue;
+            const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk};
+            const std::string stuck_h =
+                nccl_deadlock(hierarchical, n, elements, {.identity = identity, .receives_at_use = true});
+            CHECK_MESSAGE(stuck_h.empty(), "hierarchical, " << per_machine << " ranks per machine: " << stuck_h);
+          }
           // Listed up front (for tagged transports, so that data lands where it goes), every
           // receive of the ring comes before its first send: over NCCL the first wait would flush
           // receives of later steps, which the neighbour sends only after its own first group.
@@ -1058,7 +1071,7 @@ TEST_CASE("topology: Ring and ParameterServer post each pair's messages in one o
           "transport::Nccl needs") {
   static_assert(PairOrderedTopology<topology::Ring>);
   static_assert(PairOrderedTopology<topology::ParameterServer>);
-  static_assert(!PairOrderedTopology<topology::Hierarchical>);
+  static_assert(PairOrderedTopology<topology::Hierarchical>);
   for (int n = 1; n <= 6; ++n)
     for (std::size_t elements : {0u, 1u, 5u, 64u, 1000u, 100003u})
       for (std::size_t chunk : {7u, 64u, 1u << 18})
@@ -1067,6 +1080,14 @@ TEST_CASE("topology: Ring and ParameterServer post each pair's messages in one o
           CAPTURE(identity);
           std::string broken = pair_order_broken(topology::Ring{.chunk_elements = chunk}, n, elements, identity);
           CHECK_MESSAGE(broken.empty(), "ring: " << broken);
+          for (int per_machine = 1; per_machine <= n; ++per_machine)
+            for (bool receives_at_use : {false, true}) {
+              if (n % per_machine != 0) continue;
+              broken = pair_order_broken(topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk},
+                                         n, elements, identity, receives_at_use);
+              CHECK_MESSAGE(broken.empty(), "hierarchical, " << per_machine << " per machine"
+                                                             << (receives_at_use ? ", receives at use: " : ": ") << broken);
+            }
           for (std::size_t partitions : {0u, 1u, 5u})
             for (std::size_t servers = 0; servers < static_cast<std::size_t>(n); ++servers)
               for (bool dedicated : {false, true}) {

@@ -57,8 +57,8 @@ template <BucketingPolicy B, CompressionPolicy C, TopologyPolicy T, TransportPol
 class Synchronizer {
   static_assert(!OrderMatchedTransport<X> || PairOrderedTopology<T>,
                 "this transport (transport::Nccl) matches messages by order, not by tag: its topology must post "
-                "each pair's messages in one order on both sides (PairOrderedTopology: topology::Ring or "
-                "topology::ParameterServer)");
+                "each pair's messages in one order on both sides (PairOrderedTopology: topology::Ring, "
+                "topology::ParameterServer or topology::Hierarchical)");
 
  public:
   using Bucketing = B;

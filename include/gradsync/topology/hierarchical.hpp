@@ -76,6 +76,11 @@ struct Hierarchical {
   // starts once the first piece of column j - reduce_lead has come from across.
   static constexpr std::size_t reduce_lead = 2;
 
+  // The rings within a machine and across machines join disjoint pairs of ranks (neighbours on one
+  // machine; the same local rank on neighbouring machines), and each ring lists a pair's messages
+  // in one order on both sides, piece after piece, so the schedule is a PairOrderedTopology.
+  static constexpr bool posts_pairs_in_order = true;
+
   std::string describe() const {
     return fmt::format("hierarchical(ranks-per-machine={}, chunk={})", ranks_per_machine, chunk_elements);
   }
@@ -112,7 +117,8 @@ struct Hierarchical {
                                .position = machine,
                                .range = bucket,
                                .chunk_elements = chunk_elements,
-                               .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded})
+                               .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded,
+                               .receives_at_use = codec.receives_at_use})
           .allreduce();
       return out;
     }
@@ -122,7 +128,8 @@ struct Hierarchical {
                                     .chunk_elements = chunk_elements,
                                     .form = detail::RingForm::raw,
                                     .parts = machine_count,
-                                    .taper = true});
+                                    .taper = true,
+                                    .receives_at_use = codec.receives_at_use});
     detail::RingPhases across(out, {.members = std::move(same_local_rank),
                                     .position = machine,
                                     .range = within.owned_range(),
@@ -130,7 +137,8 @@ struct Hierarchical {
                                     .first_message = detail::RingPhases::message_count(local_count, bucket, chunk_elements,
                                                                                        machine_count, /*taper=*/true),
                                     .form = codec.identity ? detail::RingForm::identity : detail::RingForm::encoded,
-                                    .taper = true});
+                                    .taper = true,
+                                    .receives_at_use = codec.receives_at_use});
     // Piece by piece, in the order the data flows (ring_phases.hpp): piece j of the ring across
     // machines is pieces j*M .. j*M+M-1 of the rings within, piece j*M+t lying in segment t across.
     // The next column's reduce-scatter within the machine is listed before this column's exchange

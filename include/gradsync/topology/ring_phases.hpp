@@ -70,8 +70,9 @@ struct RingSpec {
   // paces another: the other ring waits for the first small pieces, not a whole chunk, and the last
   // ones finish sooner after it. Rings whose pieces must line up have to agree on it.
   bool taper = false;
-  // allreduce() lists each step's receives (every piece's) just before the step's first use of
-  // them instead of all up front (CodecTraits::receives_at_use: transport::Nccl).
+  // List each step's receives just before the step's first use of them instead of up front
+  // (CodecTraits::receives_at_use: transport::Nccl): allreduce() a step's receives of every piece
+  // at once, the piece-by-piece functions the piece's own.
   bool receives_at_use = false;
 };
 
@@ -188,18 +189,22 @@ class RingPhases {
   // Piece numbers run below this (some segments may lack the last ones; those steps are skipped).
   std::size_t piece_count() const noexcept { return max_pieces_; }
 
-  // Each posts the piece's own receives first, then its steps. `after`, if given, holds back the
+  // Each posts the piece's own receives first, then its steps (with RingSpec::receives_at_use,
+  // each receive just before the step that first uses it). `after`, if given, holds back the
   // piece's first send until that step is done (a pace set by another ring).
   void reduce_scatter_piece(std::size_t p, std::uint32_t after = no_step) {
-    for (int k = 0; k < steps(); ++k) post_reduce_receive(k, p);
-    for (int k = 0; k < steps(); ++k) reduce_send(k, p, k == 0 ? after : no_step);
+    if (!spec_.receives_at_use)
+      for (int k = 0; k < steps(); ++k) post_reduce_receive(k, p);
+    reduce_sends(p, after);
     owned_piece(p, /*sum=*/true, /*average=*/false, /*gather=*/false);
   }
 
   void allreduce_piece(std::size_t p) {
-    for (int k = 0; k < steps(); ++k) post_reduce_receive(k, p);
-    for (int k = 0; k < steps(); ++k) post_gather_receive(k, p);
-    for (int k = 0; k < steps(); ++k) reduce_send(k, p);
+    if (!spec_.receives_at_use) {
+      for (int k = 0; k < steps(); ++k) post_reduce_receive(k, p);
+      for (int k = 0; k < steps(); ++k) post_gather_receive(k, p);
+    }
+    reduce_sends(p);
     owned_piece(p, /*sum=*/true, /*average=*/true, /*gather=*/true);
     gather_piece(p);
   }
@@ -213,7 +218,8 @@ class RingPhases {
   // `after`, if given, holds back the send of this rank's own piece until that step is done (the
   // receive that brings the piece's final values from another ring).
   void allgather_piece(std::size_t p, std::uint32_t after = no_step) {
-    for (int k = 0; k < steps(); ++k) post_gather_receive(k, p);
+    if (!spec_.receives_at_use)
+      for (int k = 0; k < steps(); ++k) post_gather_receive(k, p);
     owned_piece(p, /*sum=*/false, /*average=*/false, /*gather=*/true, after);
     gather_piece(p);
   }
@@ -366,8 +372,28 @@ class RingPhases {
            .after = ag_recv_[k][p]});
   }
 
-  // The allgather of piece p after its owned part is sent: receives in place, then forwards.
+  // Reduce-scatter sends of piece p, step by step; with RingSpec::receives_at_use each step's
+  // receive is listed just before the send that adds it (else the caller listed them all first).
+  // `after` holds back the first send.
+  void reduce_sends(std::size_t p, std::uint32_t after = no_step) {
+    for (int k = 0; k < steps(); ++k) {
+      if (spec_.receives_at_use && k > 0) post_reduce_receive(k - 1, p);
+      reduce_send(k, p, k == 0 ? after : no_step);
+    }
+    if (spec_.receives_at_use && steps() > 0) post_reduce_receive(steps() - 1, p);
+  }
+
+  // The allgather of piece p after its owned part is sent: receives in place (or each receive
+  // just before its forward, RingSpec::receives_at_use), then forwards.
   void gather_piece(std::size_t p) {
+    if (spec_.receives_at_use) {
+      for (int k = 0; k < steps(); ++k) {
+        post_gather_receive(k, p);
+        gather_receive_in_place(k, p);
+        gather_forward(k, p);
+      }
+      return;
+    }
     for (int k = 0; k < steps(); ++k) gather_receive_in_place(k, p);
     for (int k = 0; k < steps(); ++k) gather_forward(k, p);
   }

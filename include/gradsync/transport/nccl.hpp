@@ -19,14 +19,15 @@
 // Matching. NCCL has no tags: the device messages between two ranks are matched in the order the
 // two post them, and a send must be exactly as long as its receive. The Synchronizer runs only
 // topologies that post each pair's messages in one order on both sides (PairOrderedTopology,
-// concepts.hpp: topology::Ring and topology::ParameterServer; Hierarchical is refused at compile time),
+// concepts.hpp: topology::Ring, topology::ParameterServer and topology::Hierarchical; a topology
+// that does not claim it is refused at compile time),
 // with sizes both sides know (plain values, or the device codecs' fixed-size encodings). A
 // caller of its own must keep that order: mismatched messages of equal size would be swapped
 // silently. Posted device operations wait in this rank's queue until a test() or wait() of one
 // still queued, or flush(), then go to NCCL together in one group call, so a ring step's send and
 // receive progress together instead of each waiting for the other's rank. NCCL completes a group
-// as a whole, so a schedule must not list a receive before sends it does not need (a Ring over
-// this transport lists receives at use: CodecTraits::receives_at_use).
+// as a whole, so a schedule must not list a receive before sends it does not need (Ring's and
+// Hierarchical's rings over this transport list receives at use: CodecTraits::receives_at_use).
 //
 // Ordering with computation. Every NCCL operation runs on cuda_stream(), after whatever the
 // caller queued there before posting it: a kernel that fills a buffer and a send of that buffer
