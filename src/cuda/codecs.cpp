@@ -129,6 +129,42 @@ void Stream::synchronize() {
                           impl_->device, describe_header(found.found), describe_header(found.expected)));
 }
 
+Event::~Event() {
+  if (!event_) return;
+  cudaSetDevice(device_);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+void Event::record(Stream& stream) {
+  use(stream);
+  if (!event_) {
+    cudaEvent_t event;
+    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "record event");
+    event_ = event;
+    device_ = stream.device();
+  }
+  check(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream.native())), "record event");
+}
+
+void Event::order_before(Stream& stream) {
+  if (!event_) return;
+  use(stream);
+  check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream.native()), static_cast<cudaEvent_t>(event_), 0),
+        "wait for event");
+}
+
+bool Event::done() {
+  if (!event_) return true;
+  const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (status == cudaErrorNotReady) return false;
+  check(status, "query event");
+  return true;
+}
+
+void Event::synchronize() {
+  if (event_) check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "wait for event");
+}
+
 void Stream::reserve(std::size_t values) {
   const std::size_t needed = kernels::sum_tree_size(values);
   if (needed <= impl_->sums_capacity) return;

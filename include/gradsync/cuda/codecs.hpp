@@ -57,6 +57,26 @@ class Stream {
   std::unique_ptr<Impl> impl_;
 };
 
+// A CUDA event without timing: marks the work queued on a stream so far, so that another stream
+// can wait for it and the host can see when it is done. Made at its first record(), on that
+// stream's device; errors are gradsync::Error naming the operation.
+class Event {
+ public:
+  Event() = default;
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  void record(Stream& stream);   // the work queued on `stream` so far
+  void order_before(Stream& stream);  // work queued on `stream` from now on waits for the last record
+  bool done();                   // the last record's work has finished (true if never recorded)
+  void synchronize();            // waits on the host until it has
+
+ private:
+  void* event_ = nullptr;  // cudaEvent_t
+  int device_ = 0;
+};
+
 // Writes codec.max_encoded_bytes(n) bytes at `out` (device memory) and returns that size. Stateless
 // codecs take their empty State too, so that every codec is called alike.
 std::size_t encode(const compression::Fp16&, compression::Fp16::State&, const float* in, std::size_t n, std::byte* out,

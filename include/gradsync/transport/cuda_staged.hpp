@@ -6,12 +6,19 @@
 //
 // allocate() hands out device memory of the chosen GPU and keeps, for each block, a page-locked
 // host mirror of the same size (from X's own allocate() where it has one, so SharedMemory's arena
-// still makes a message one memcpy). A send of bytes inside such a block copies them to the mirror
-// on cuda_stream() — after the kernels queued there, the encode that wrote them — waits for that
-// copy, and sends the mirror through X. A receive lands in the mirror; once X reports it complete
-// (test or wait), a copy to the device is queued on cuda_stream(), ahead of whatever the caller
-// queues next (the decode that reads it). Any other buffer (the control messages, in host memory)
-// passes through to X untouched; device memory that allocate() did not hand out is refused.
+// still makes a message one memcpy). A send of bytes inside such a block queues their copy to the
+// mirror on a stream of its own, after the kernels queued on cuda_stream() so far (the encode that
+// wrote them), and returns: the next encode runs while the copy engine copies. The mirror goes to
+// X once its copy is done, in the order the sends were posted: every test() posts those whose
+// copies are done, every wait() posts them all, blocking on each copy in turn (copies wait for
+// nothing but queued kernels, so this cannot hang on a peer, and the first pieces travel while
+// later ones are still copied). A receive lands in the mirror; once X reports it complete (test
+// or wait), a copy to the device is queued on cuda_stream(), ahead of whatever the caller queues
+// next (the decode that reads it). Any other buffer (the control messages, in host memory) passes
+// through to X untouched; device memory that allocate() did not hand out is refused.
+//
+// A send's device bytes must stay as they are until it completes (test or wait), as any
+// transport's; the schedules' `after` orders every write to a range behind the sends of it.
 //
 // Messages match by tag as X's do, so every topology runs over it. Completions are seen in test()
 // and wait(): the Synchronizer runs buckets on the serial executor over it, as over any device
@@ -48,6 +55,9 @@ class CudaStaged {
     Request() = default;
     Request(const Request&) = delete;
     Request& operator=(const Request&) = delete;
+    ~Request() {
+      if (waiting_in_) waiting_in_->forget(*this);
+    }
     void report_to(CompletionSink* sink, std::uint64_t id) noexcept { inner_.report_to(sink, id); }
 
    private:
@@ -57,27 +67,41 @@ class CudaStaged {
     const std::byte* mirror_ = nullptr;
     std::size_t size_ = 0;
     bool landed_ = false;  // its copy to the device is queued
+    // A staged send: its copy to the mirror, recorded after it; X's send is posted once it is done.
+    cuda::Event copied_;
+    CudaStaged* waiting_in_ = nullptr;  // while its copy is not done or its X send not posted
+    int peer_ = -1;
+    std::uint64_t tag_ = 0;
   };
 
   // Device memory on CUDA device `device`; messages through `inner`.
+  // Moving is for before the first send: a send still waiting for its copy refers to the object
+  // it was posted on.
   CudaStaged(X inner, int device)
-      : inner_(std::move(inner)), device_(device), stream_(std::make_unique<cuda::Stream>(device)) {}
+      : inner_(std::move(inner)),
+        device_(device),
+        stream_(std::make_unique<cuda::Stream>(device)),
+        copies_(std::make_unique<cuda::Stream>(device)) {}
   CudaStaged(CudaStaged&& o) noexcept
       : inner_(std::move(o.inner_)),
         device_(o.device_),
         stream_(std::move(o.stream_)),
+        copies_(std::move(o.copies_)),
         blocks_(std::exchange(o.blocks_, {})) {}
   CudaStaged& operator=(CudaStaged&& o) noexcept {
     if (this != &o) {
+      drop_unposted();
       for (const Block& b : blocks_) release(b);
       inner_ = std::move(o.inner_);
       device_ = o.device_;
       stream_ = std::move(o.stream_);
+      copies_ = std::move(o.copies_);
       blocks_ = std::exchange(o.blocks_, {});
     }
     return *this;
   }
   ~CudaStaged() {
+    drop_unposted();
     for (const Block& b : blocks_) release(b);
   }
 
@@ -91,9 +115,17 @@ class CudaStaged {
     r.device_ = nullptr;
     const std::byte* mirror = staged(bytes, "send", peer);
     if (!mirror) return inner_.send(r.inner_, peer, tag, bytes);
-    cuda::copy(const_cast<std::byte*>(mirror), bytes.data(), bytes.size(), *stream_);
-    stream_->synchronize();  // the encode that wrote the bytes, and this copy
-    inner_.send(r.inner_, peer, tag, {mirror, bytes.size()});
+    r.copied_.record(*stream_);  // the encode that wrote the bytes
+    r.copied_.order_before(*copies_);
+    cuda::copy(const_cast<std::byte*>(mirror), bytes.data(), bytes.size(), *copies_);
+    r.copied_.record(*copies_);
+    r.mirror_ = mirror;
+    r.size_ = bytes.size();
+    r.peer_ = peer;
+    r.tag_ = tag;
+    r.waiting_in_ = this;
+    unposted_.push_back(&r);
+    post_copied();
   }
 
   void recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
@@ -107,18 +139,25 @@ class CudaStaged {
   }
 
   bool test(Request& r) {
-    if (!inner_.test(r.inner_)) return false;
+    post_copied();
+    if (r.waiting_in_ || !inner_.test(r.inner_)) return false;
     land(r, r.size_);
     return true;
   }
 
+  // Posts every send still waiting for its copy first: the peer may need one of them before it
+  // sends what `r` waits for.
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
+    post_copied(/*block=*/true);
     const std::size_t bytes = inner_.wait(r.inner_, deadline);
     land(r, bytes);
     return bytes;
   }
 
-  void abort(const Error& cause) { inner_.abort(cause); }
+  void abort(const Error& cause) {
+    drop_unposted();
+    inner_.abort(cause);
+  }
 
   std::span<std::byte> allocate(std::size_t bytes) {
     Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, {}};
@@ -173,6 +212,47 @@ class CudaStaged {
     return nullptr;
   }
 
+  // Gives X, in the order they were posted, the staged sends whose copies are done (copies on
+  // one stream finish in order); with `block`, all of them, each as soon as its copy is.
+  void post_copied(bool block = false) {
+    std::size_t posted = 0;
+    const auto drop_posted = [&] {
+      unposted_.erase(unposted_.begin(), unposted_.begin() + static_cast<std::ptrdiff_t>(posted));
+    };
+    try {
+      while (posted < unposted_.size()) {
+        Request& r = *unposted_[posted];
+        if (block) r.copied_.synchronize();
+        else if (!r.copied_.done()) break;
+        ++posted;
+        r.waiting_in_ = nullptr;
+        inner_.send(r.inner_, r.peer_, r.tag_, {r.mirror_, r.size_});
+      }
+    } catch (...) {
+      drop_posted();
+      throw;
+    }
+    drop_posted();
+  }
+
+  // A waiting send's request is going away (an exchange dropped after an error): never post it.
+  void forget(Request& r) noexcept {
+    r.waiting_in_ = nullptr;
+    std::erase(unposted_, &r);
+  }
+
+  // After a failure, or at the end: the waiting sends are never posted, and their copies finish
+  // before the mirrors may go.
+  void drop_unposted() noexcept {
+    for (Request* r : unposted_) r->waiting_in_ = nullptr;
+    unposted_.clear();
+    if (!copies_) return;
+    try {
+      copies_->synchronize();
+    } catch (const Error&) {  // a failed copy: nothing left to wait for
+    }
+  }
+
   // A finished staged receive: its bytes to the device, queued on the stream once.
   void land(Request& r, std::size_t bytes) {
     if (!r.device_ || r.landed_) return;
@@ -190,7 +270,9 @@ class CudaStaged {
   X inner_;
   int device_;
   std::unique_ptr<cuda::Stream> stream_;
+  std::unique_ptr<cuda::Stream> copies_;  // sends' copies to their mirrors
   std::vector<Block> blocks_;  // by device address
+  std::vector<Request*> unposted_;  // staged sends not yet given to X, in the order they were posted
 };
 
 static_assert(DeviceTransport<CudaStaged<Tcp>>);
