@@ -14,6 +14,7 @@
 #include "cuda/numeric_kernels.hpp"
 #include "gradsync/compression/error_feedback.hpp"
 #include "gradsync/cuda/codecs.hpp"
+#include "gradsync/detail/convert.hpp"
 #include "gradsync/numeric.hpp"
 #include "support.hpp"
 
@@ -176,6 +177,37 @@ TEST_SUITE("cuda") {
       REQUIRE(same_bits(device.f16_back[i], numeric::from_f16_bits(pattern)));
       REQUIRE(same_bits(device.bf16_back[i], numeric::from_bf16_bits(pattern)));
     }
+  }
+
+  TEST_CASE("cuda::widen and cuda::narrow pack 16-bit gradients as detail::load and detail::store do" *
+            doctest::skip(no_device)) {
+    std::vector<float> values = test::random_values(100003, 5);
+    for (float v : {65504.0f, 65520.0f, 1e-8f, -0.0f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::denorm_min()})
+      values.push_back(v);
+    for (DType dtype : {DType::f16, DType::bf16}) {
+      CAPTURE(to_string(dtype));
+      // A gradient of that dtype, as the host stores the values into it.
+      std::vector<std::uint16_t> gradient(values.size());
+      detail::store<float>(values, {gradient.data(), gradient.size(), dtype, Device::cpu()});
+      std::vector<float> host_bucket(values.size());
+      detail::load<float>({gradient.data(), gradient.size(), dtype, Device::cpu()}, std::span(host_bucket));
+
+      const DeviceVector<std::uint16_t> device_gradient(gradient);
+      DeviceVector<float> device_bucket(values.size());
+      DeviceVector<std::uint16_t> narrowed(values.size());
+      const DeviceVector<float> device_values(values);
+      cuda::Stream stream;
+      cuda::widen(device_gradient.data, dtype, device_bucket.data, values.size(), stream);
+      cuda::narrow(device_values.data, dtype, narrowed.data, values.size(), stream);
+      stream.synchronize();
+      const auto widened = device_bucket.host();
+      for (std::size_t i = 0; i < values.size(); ++i) REQUIRE(same_bits(widened[i], host_bucket[i]));
+      REQUIRE(narrowed.host() == gradient);
+    }
+    cuda::Stream stream;
+    float f = 0;
+    CHECK_THROWS_AS(cuda::widen(&f, DType::f64, &f, 1, stream), Error);
   }
 
   TEST_CASE_TEMPLATE("device codecs write the CPU codecs' bytes and decode to the same values" * doctest::skip(no_device),

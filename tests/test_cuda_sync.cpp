@@ -2,7 +2,7 @@
 // Tcp (loopback) and SharedMemory, end every iteration with the bits the same gradients in host
 // memory give, for f32, f64, f16 and bf16 gradients, several codecs and every topology, and the
 // same bits on every rank; and so does the exchange on the device (transport::CudaStaged: buckets
-// on the GPU, the codecs as kernels) for f32 gradients. Skipped, with the reason printed, where no CUDA device is present.
+// on the GPU, the codecs as kernels) for f32, f16 and bf16 gradients. Skipped, with the reason printed, where no CUDA device is present.
 //
 // The test process itself never touches CUDA, since a forked child cannot use a context its
 // parent made: children probe for the device and do all the CUDA work.
@@ -120,18 +120,17 @@ std::string digest(const std::vector<std::byte>& bytes) {
   return fmt::format("{:016x}", h);
 }
 
-// f32 gradients only, for the exchange on the device (CudaStaged), at sizes that are not
-// multiples of anything.
+// f32 gradients at sizes that are not multiples of anything.
 std::vector<Gradient> f32_gradients() { return {{1000, DType::f32}, {4099, DType::f32}, {17, DType::f32}, {3001, DType::f32}}; }
 
 // Each rank runs the device path, then the host path, over a fresh transport each time; it
 // reports "digest <hex>" if they agree bit for bit, and the ranks' digests must all be equal.
 // `staged`: the device path is the exchange on the device (transport::CudaStaged over the same
-// transport: buckets on the GPU, codecs as kernels), with f32 gradients; otherwise device
-// gradients staged through host buckets, with every dtype the codec takes.
+// transport: buckets on the GPU, codecs as kernels), with f32, f16 and bf16 gradients; otherwise
+// device gradients staged through host buckets, with every dtype the codec takes.
 template <class C, class T>
 void device_matches_host(const std::string& what, const C& codec, const T& topology, bool staged = false) {
-  const std::vector<Gradient> layout = staged ? f32_gradients() : gradients(CodecFor<C, double>);
+  const std::vector<Gradient> layout = gradients(!staged && CodecFor<C, double>);  // the device path reduces in f32
   for (const bool shared_memory : {false, true})
     for (const int n : {2, 4}) {
       CAPTURE(what);

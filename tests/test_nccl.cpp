@@ -295,7 +295,8 @@ TEST_CASE("nccl: the Synchronizer over NCCL, and what it refuses" * doctest::ski
                                  synchronizer_matches_host(topology::ParameterServer{}),
                                  synchronizer_matches_host(topology::Hierarchical{.ranks_per_machine = 1})})
       if (r != "ok") return r;
-    // Refused: coordinated sends (they need the task graph), a host gradient, an f16 gradient.
+    // Refused: coordinated sends (they need the task graph), a host gradient, an f64 gradient (the
+    // device path reduces in f32).
     try {
       Options o;
       o.coordination.enabled = true;
@@ -312,15 +313,15 @@ TEST_CASE("nccl: the Synchronizer over NCCL, and what it refuses" * doctest::ski
     } catch (const Error& e) {
       if (std::string(e.what()).find("cuda:0") == std::string::npos) return std::string("host gradient: ") + e.what();
     }
-    std::uint16_t* half = nullptr;
-    cudaMalloc(&half, 20);
+    double* wide = nullptr;
+    cudaMalloc(&wide, 10 * sizeof(double));
     try {
-      sync.add("half", view(std::span(half, 10), DType::f16, Device::cuda(0)));
-      return std::string("an f16 gradient was accepted");
+      sync.add("wide", view(std::span(wide, 10), Device::cuda(0)));
+      return std::string("an f64 gradient was accepted");
     } catch (const Error& e) {
-      if (e.kind() != ErrorKind::unsupported) return std::string("f16 gradient: ") + e.what();
+      if (e.kind() != ErrorKind::unsupported) return std::string("f64 gradient: ") + e.what();
     }
-    cudaFree(half);
+    cudaFree(wide);
     return std::string("ok");
   });
   CHECK_MESSAGE(report == "ok", report);

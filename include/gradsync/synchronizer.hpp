@@ -549,20 +549,26 @@ class Synchronizer {
     }
   }
 
-  // Gradient `id`'s values into its place in a bucket: with a device transport a copy queued on
-  // its stream (the gradient is complete when ready() is called), else detail::load_gradient.
+  // Gradient `id`'s values into its place in a bucket: with a device transport a copy (or, for a
+  // 16-bit gradient, a widening kernel) queued on its stream (the gradient is complete when ready()
+  // is called), else detail::load_gradient.
   template <class V>
   void pack(GradId id, std::span<V> into) {
 #if GRADSYNC_HAS_CUDA
-    if constexpr (DeviceTransport<X>)
-      return cuda::copy(into.data(), views_[id].data, into.size_bytes(), transport_.cuda_stream());
+    if constexpr (DeviceTransport<X>) {
+      const TensorView& g = views_[id];
+      if constexpr (std::is_same_v<V, float>)  // the only buckets there (check_for_device_transport)
+        if (g.dtype != DType::f32) return cuda::widen(g.data, g.dtype, into.data(), into.size(), transport_.cuda_stream());
+      return cuda::copy(into.data(), g.data, into.size_bytes(), transport_.cuda_stream());
+    }
 #endif
     detail::load_gradient<V>(views_[id], into, staging_[id]);
   }
 
   // Writes bucket `b`'s averages into its gradients (nothing to do for a bucket reduced in place).
-  // With a device transport, the copies are queued on its stream and waited for here, so the
-  // gradients hold their averages (and the stream's work is done) when the bucket is finished.
+  // With a device transport, the copies (narrowing kernels for 16-bit gradients) are queued on its
+  // stream and waited for here, so the gradients hold their averages (and the stream's work is
+  // done) when the bucket is finished.
   void copy_back(std::size_t b) {
     std::visit(
         [&](auto values) {
@@ -572,7 +578,13 @@ class Synchronizer {
             const auto from = std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count));
 #if GRADSYNC_HAS_CUDA
             if constexpr (DeviceTransport<X>) {
-              cuda::copy(views_[id].data, from.data(), from.size_bytes(), transport_.cuda_stream());
+              const TensorView& g = views_[id];
+              if constexpr (std::is_same_v<V, float>)
+                if (g.dtype != DType::f32) {
+                  cuda::narrow(from.data(), g.dtype, g.data, from.size(), transport_.cuda_stream());
+                  continue;
+                }
+              cuda::copy(g.data, from.data(), from.size_bytes(), transport_.cuda_stream());
               continue;
             }
 #endif
@@ -585,7 +597,8 @@ class Synchronizer {
 #endif
   }
 
-  // add()'s checks for a device transport: the gradient is f32 in the memory of its device.
+  // add()'s checks for a device transport: the gradient is f32, f16 or bf16 (f32 buckets) in the
+  // memory of its device.
   void check_for_device_transport(const std::string& name, const TensorView& gradient) {
 #if GRADSYNC_HAS_CUDA
     const int device = transport_.cuda_stream().device();
@@ -593,10 +606,10 @@ class Synchronizer {
       throw Error(ErrorKind::invalid_argument, here("add"),
                   fmt::format("gradient {:?} is on {}; over {} every gradient must be in the memory of cuda:{}",
                               name, to_string(gradient.device), transport_.describe(), device));
-    if (gradient.dtype != DType::f32)
+    if (accumulation_dtype(gradient.dtype) != DType::f32)
       throw Error(ErrorKind::unsupported, here("add"),
-                  fmt::format("gradient {:?} is {}; over {} gradients are f32 (the device path has no 16-bit or "
-                              "f64 packing yet)",
+                  fmt::format("gradient {:?} is {}; over {} gradients are f32, f16 or bf16 (the device path "
+                              "reduces in f32 only)",
                               name, to_string(gradient.dtype), transport_.describe()));
 #else
     (void)name, (void)gradient;

@@ -332,6 +332,24 @@ void divide(float* values, std::size_t n, float divisor, Stream& stream) {
   check(kernels::divide(values, n, divisor, stream.native()), "average");
 }
 
+void widen(const void* in, DType dtype, float* out, std::size_t n, Stream& stream) {
+  use(stream);
+  const auto* bits = static_cast<const std::uint16_t*>(in);
+  if (dtype == DType::f16) return check(kernels::decode_f16(bits, n, out, false, stream.native()), "widen");
+  if (dtype == DType::bf16) return check(kernels::decode_bf16(bits, n, out, false, stream.native()), "widen");
+  throw Error(ErrorKind::invalid_argument, {.operation = "widen"},
+              fmt::format("{} values: only f16 and bf16 widen to f32", to_string(dtype)));
+}
+
+void narrow(const float* in, DType dtype, void* out, std::size_t n, Stream& stream) {
+  use(stream);
+  auto* bits = static_cast<std::uint16_t*>(out);
+  if (dtype == DType::f16) return check(kernels::encode_f16(in, n, bits, stream.native()), "narrow");
+  if (dtype == DType::bf16) return check(kernels::encode_bf16(in, n, bits, stream.native()), "narrow");
+  throw Error(ErrorKind::invalid_argument, {.operation = "narrow"},
+              fmt::format("{} values: f32 narrows to f16 and bf16 only", to_string(dtype)));
+}
+
 void fill_zero(void* device, std::size_t bytes, Stream& stream) {
   if (bytes == 0) return;
   use(stream);

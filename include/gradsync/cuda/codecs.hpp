@@ -114,6 +114,11 @@ void accumulate(float* residual, const float* in, std::size_t n, Stream&);
 void negate(float* values, std::size_t n, Stream&);
 // values[i] /= divisor, rounded as the host's division (an average's last step), on the stream.
 void divide(float* values, std::size_t n, float divisor, Stream&);
+// A 16-bit gradient (`dtype` f16 or bf16: n values at `in`) widened into f32 values at `out`, and
+// f32 values narrowed into one, on the stream, rounding as the host's detail::load and
+// detail::store do (numeric.hpp), so that a bucket packed on the device holds the host path's bits.
+void widen(const void* in, DType dtype, float* out, std::size_t n, Stream&);
+void narrow(const float* in, DType dtype, void* out, std::size_t n, Stream&);
 // `bytes` zero bytes at `device`, on the stream.
 void fill_zero(void* device, std::size_t bytes, Stream&);
 // `bytes` bytes from `from` to `to`, either in device or page-locked host memory, on the stream.
