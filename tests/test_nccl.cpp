@@ -245,12 +245,12 @@ TEST_CASE("nccl: every kind of step on the device gives the host's bits, for eve
 }
 
 // The Synchronizer over NCCL against the same gradients synchronized in host memory over Tcp,
-// with `topology` on both: a bucket of two gradients and one of a single gradient, three
-// iterations, the same bits (the lossy codec's average of one rank is its decoded encoding, with
-// the residual carried over). "ok" or what differs.
-template <class Topology>
-std::string synchronizer_matches_host(const Topology& topology) {
-  using Codec = compression::ErrorFeedback<compression::TwoBit>;
+// with `topology` and `Codec` on both: a bucket of two gradients and one of a single gradient,
+// three iterations, the same bits (the lossy codec's average of one rank is its decoded encoding,
+// with the residual carried over; NCCL's allreduce of one rank is the values). "ok" or what
+// differs.
+template <class Topology, class Codec = compression::ErrorFeedback<compression::TwoBit>>
+std::string synchronizer_matches_host(const Topology& topology, Options settings = {}) {
   using Sync = Synchronizer<bucketing::FixedSize, Codec, Topology, transport::Nccl>;
   using HostSync = Synchronizer<bucketing::FixedSize, Codec, Topology, transport::Tcp>;
   const std::vector<std::size_t> sizes{1000, 1000, 70000};
@@ -260,7 +260,7 @@ std::string synchronizer_matches_host(const Topology& topology) {
     gradients.emplace_back(std::vector<float>(sizes[g]));
     host[g].resize(sizes[g]);
   }
-  Sync sync(transport::Nccl(options(0, 1, test::free_port())), {}, bucketing::FixedSize{16384, 16384}, {}, topology);
+  Sync sync(transport::Nccl(options(0, 1, test::free_port())), settings, bucketing::FixedSize{16384, 16384}, {}, topology);
   transport::TcpOptions tcp = options(0, 1, test::free_port()).setup;
   HostSync host_sync(transport::Tcp(tcp), {}, bucketing::FixedSize{16384, 16384}, {}, topology);
   for (std::size_t g = 0; g < sizes.size(); ++g) {
@@ -295,6 +295,16 @@ TEST_CASE("nccl: the Synchronizer over NCCL, and what it refuses" * doctest::ski
                                  synchronizer_matches_host(topology::ParameterServer{}),
                                  synchronizer_matches_host(topology::Hierarchical{.ranks_per_machine = 1})})
       if (r != "ok") return r;
+    // Uncompressed Ring buckets go through ncclAllReduce (Options::native_allreduce), said once
+    // a plan; with it off, through gradsync's ring.
+    for (const bool native : {true, false}) {
+      std::string logged;
+      const std::string r = synchronizer_matches_host<topology::Ring, compression::None>(
+          {}, {.native_allreduce = native, .log = [&](std::string_view line) { logged += line; }});
+      if (r != "ok") return r;
+      if ((logged.find("2 of 2 buckets are summed by") != std::string::npos) != native)
+        return fmt::format("native_allreduce {}, yet the log says: {:?}", native, logged);
+    }
     // Refused: coordinated sends (they need the task graph), a host gradient, an f64 gradient (the
     // device path reduces in f32).
     try {

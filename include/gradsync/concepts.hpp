@@ -171,6 +171,13 @@ concept PipelineTopology = TopologyPolicy<T> && requires(T t, const T& ct, const
 template <class T>
 concept PairOrderedTopology = TopologyPolicy<T> && requires { requires T::posts_pairs_in_order; };
 
+// FlatAllreduceTopology: a topology that is a plain allreduce of the bucket over the group and
+// nothing more (static constexpr bool flat_allreduce = true: topology::Ring), so that a
+// transport's own allreduce may stand in for it with an identity codec (Options::native_allreduce).
+// A hierarchy or a parameter server is a choice of its own and keeps its schedule.
+template <class T>
+concept FlatAllreduceTopology = TopologyPolicy<T> && requires { requires T::flat_allreduce; };
+
 // ---------------------------------------------------------------------------------------------
 // TransportPolicy: moves bytes between ranks; full duplex, tagged, non-blocking.
 //
@@ -239,6 +246,16 @@ template <class X>
 concept DeviceTransport = TransportAllocator<X> && requires(X& x) {
   { x.cuda_stream() } -> std::same_as<cuda::Stream&>;
 };
+
+// A device transport with an allreduce of its own (transport::Nccl: ncclAllReduce, NCCL's
+// algorithms over its links): allreduce(values, deadline) sums f32 device values over every rank
+// of the transport in place, every rank ending with the same bits. The Synchronizer sends
+// uncompressed Ring buckets through it (Options::native_allreduce).
+template <class X>
+concept DeviceAllreduce = DeviceTransport<X> &&
+    requires(X& x, std::span<float> values, std::chrono::steady_clock::time_point deadline) {
+      x.allreduce(values, deadline);
+    };
 
 // A transport that matches messages by the order they are posted, not by tag (transport::Nccl:
 // NCCL has no tags), says so (static constexpr bool matches_by_order = true); the Synchronizer

@@ -52,6 +52,14 @@ struct Options {
   bool selective_compression = false;
   // Coordinated sends (task graph only). Results do not depend on it.
   Coordination coordination{};
+  // Over a transport with an allreduce of its own (DeviceAllreduce, concepts.hpp: transport::Nccl),
+  // with an identity codec and topology::Ring over the whole world, f32 buckets are summed by
+  // that allreduce (ncclAllReduce: NCCL picks its algorithm and uses NVLink, switches, several
+  // channels) and divided on the device, instead of the ring's point-to-point steps. Every rank
+  // still ends with the same bits (NCCL forwards each finished sum unchanged), but they are NCCL's
+  // sums, not gradsync's ring's, and where NCCL reduces inside the switch (NVLS) they may differ
+  // from run to run. false: gradsync's ring, the host path's bits.
+  bool native_allreduce = true;
   // Where this Synchronizer and its bucketing policy print (log.hpp): new plans, selective
   // compression's decisions. Nothing is printed per step.
   LogSink log = log_to_stderr;

@@ -291,7 +291,8 @@ class Synchronizer {
     detail::PinnedRange pinned;          // `storage`, while it holds device gradients
     // Where the bucket is reduced, typed by its dtype: the one place the dtype becomes a type.
     engine::BucketValues values;
-    engine::BucketExchange<C, X> exchange;
+    engine::BucketExchange<C, X> exchange;  // an empty schedule where `native_allreduce`
+    bool native_allreduce = false;          // summed by the transport's allreduce (Options::native_allreduce)
     std::int64_t traced_start = 0;  // on the timeline, when this iteration's packing began
   };
 
@@ -375,10 +376,18 @@ class Synchronizer {
         bucket.values = std::span<double>(static_cast<double*>(data), bucket.elements);
       else
         bucket.values = std::span<float>(static_cast<float*>(data), bucket.elements);
-      bucket.exchange = exchange_for(b, bucket);
+      bucket.native_allreduce = allreduces_natively(bucket);
+      bucket.exchange = bucket.native_allreduce
+                            ? engine::BucketExchange<C, X>(Schedule{}, codec_, bucket.dtype, false, &transport_)
+                            : exchange_for(b, bucket);
     }
     for (std::size_t id = 0; id < layout_.size(); ++id)
       if (!placed[id]) throw invalid(fmt::format("gradient {:?} is in no bucket", layout_[id].name));
+    const auto native = std::count_if(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.native_allreduce; });
+    if (native > 0 && rank() == 0)
+      log_line(options_.log, fmt::format("gradsync: {} of {} buckets are summed by {}'s own allreduce "
+                                         "(Options::native_allreduce; false: gradsync's ring)",
+                                         native, buckets.size(), transport_.describe()));
     plan_ = std::move(plan);
     slots_ = std::move(slots);
     buckets_ = std::move(buckets);
@@ -525,11 +534,50 @@ class Synchronizer {
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
     if (engine_) return engine_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
-    tally(bucket.exchange.run(values, codec_, transport_,
-                              {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout}));
+    if (bucket.native_allreduce)
+      allreduce_natively(b, values);
+    else
+      tally(bucket.exchange.run(values, codec_, transport_,
+                                {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout}));
     const auto started = std::chrono::steady_clock::now();
     finish_bucket(b);
     stats_.compute += std::chrono::steady_clock::now() - started;
+  }
+
+  // Whether `bucket` goes through the transport's own allreduce (Options::native_allreduce): an
+  // uncompressed f32 bucket of a flat allreduce (Ring) over every rank of a transport that has one.
+  bool allreduces_natively(const Bucket& bucket) const {
+    if constexpr (DeviceAllreduce<X> && C::identity && FlatAllreduceTopology<T>)
+      return options_.native_allreduce && bucket.dtype == DType::f32 && group_.size() == transport_.size();
+    else
+      return (void)bucket, false;
+  }
+
+  // Sums bucket `b` with the transport's allreduce and divides by the group on its stream; the
+  // division is the ring's average step, the same kernel. NCCL does not say what it sent: the
+  // bucket counts as a ring allreduce's bytes, 2(n-1)/n of it, uncompressed.
+  template <class V>
+  void allreduce_natively(std::size_t b, std::span<V> values) {
+#if GRADSYNC_HAS_CUDA
+    if constexpr (DeviceAllreduce<X> && std::is_same_v<V, float>) {
+      const auto started = std::chrono::steady_clock::now();
+      try {
+        transport_.allreduce(values, started + options_.timeout);
+      } catch (const Error& e) {
+        throw e.filled(here("allreduce", static_cast<std::uint32_t>(b)));
+      }
+      const auto summed = std::chrono::steady_clock::now();
+      cuda::divide(values.data(), values.size(), static_cast<float>(group_.size()), transport_.cuda_stream());
+      const std::uint64_t n = static_cast<std::uint64_t>(group_.size());
+      const std::uint64_t bytes = 2 * (n - 1) * values.size_bytes() / n;
+      tally({.bytes_sent = bytes, .bytes_uncompressed = bytes, .compute = std::chrono::steady_clock::now() - summed,
+             .waiting = summed - started});
+      return;
+    }
+#endif
+    throw Error(ErrorKind::internal, here("allreduce", static_cast<std::uint32_t>(b)),
+                fmt::format("bucket {} was marked for the transport's allreduce, which {} does not have", b,
+                            transport_.describe()));
   }
 
   // Bucket `b` is averaged: its gradients get their values, then their updates run.

@@ -36,6 +36,8 @@ struct Ring {
   // Each rank sends only to its right and receives only from its left, step by step and piece by
   // piece, so both ends of a pair post its messages in one order (PairOrderedTopology).
   static constexpr bool posts_pairs_in_order = true;
+  // A plain allreduce over the group (FlatAllreduceTopology): NCCL's allreduce may stand in for it.
+  static constexpr bool flat_allreduce = true;
 
   std::string describe() const { return fmt::format("ring(chunk={})", chunk_elements); }
 
