@@ -207,7 +207,7 @@ TEST_SUITE("cuda") {
             doctest::skip(no_device)) {
     // Three processes, buckets on the GPU, ef-two-bit in small pieces; rank 2 dies after its
     // second synchronization. The others must fail with peer_failed naming it (a timeout would
-    // mean they waited out the 60 s instead, a send held back for its copy included).
+    // mean they waited out the 20 s instead, a send held back for its copy included).
     const std::uint16_t port = test::free_port();
     const auto results = test::run_processes(3, [&](int rank) -> std::string {
       if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
@@ -216,7 +216,7 @@ TEST_SUITE("cuda") {
           Staged(transport::Tcp({.rank = rank, .world_size = 3, .master_port = port, .token = token,
                                  .setup_timeout = 30s}),
                  0),
-          {.timeout = 60s}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {}, topology::Ring{.chunk_elements = 256});
+          {.timeout = 20s}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {}, topology::Ring{.chunk_elements = 256});
       const std::vector<Gradient> layout = f32_gradients();
       std::vector<void*> device(layout.size(), nullptr);
       for (std::size_t g = 0; g < layout.size(); ++g) {

@@ -561,13 +561,19 @@ class Synchronizer {
 #if GRADSYNC_HAS_CUDA
     if constexpr (DeviceAllreduce<X> && std::is_same_v<V, float>) {
       const auto started = std::chrono::steady_clock::now();
+      const std::int64_t traced = timeline_ ? timeline_->now() : 0;
       try {
         transport_.allreduce(values, started + options_.timeout);
       } catch (const Error& e) {
         throw e.filled(here("allreduce", static_cast<std::uint32_t>(b)));
       }
       const auto summed = std::chrono::steady_clock::now();
-      cuda::divide(values.data(), values.size(), static_cast<float>(group_.size()), transport_.cuda_stream());
+      if (timeline_) timeline_->record(Timeline::Kind::allreduce, traced, static_cast<std::uint32_t>(b), values.size_bytes());
+      try {
+        cuda::divide(values.data(), values.size(), static_cast<float>(group_.size()), transport_.cuda_stream());
+      } catch (const Error& e) {
+        throw e.filled(here("average", static_cast<std::uint32_t>(b)));
+      }
       const std::uint64_t n = static_cast<std::uint64_t>(group_.size());
       const std::uint64_t bytes = 2 * (n - 1) * values.size_bytes() / n;
       tally({.bytes_sent = bytes, .bytes_uncompressed = bytes, .compute = std::chrono::steady_clock::now() - summed,
@@ -575,6 +581,7 @@ class Synchronizer {
       return;
     }
 #endif
+    (void)values;
     throw Error(ErrorKind::internal, here("allreduce", static_cast<std::uint32_t>(b)),
                 fmt::format("bucket {} was marked for the transport's allreduce, which {} does not have", b,
                             transport_.describe()));
@@ -748,13 +755,17 @@ class Synchronizer {
 
   // The policies every rank must share, as the layout check compares them.
   std::string describe_policies() const {
-    return fmt::format(
+    std::string described = fmt::format(
         "bucketing={} codec={} topology={} transport={} world={} selective-compression={} coordination={}",
         bucketing_.describe(), codec_.describe(), topology_.describe(), transport_.describe(), size(),
         options_.selective_compression,
         options_.coordination.enabled
             ? fmt::format("window {}, batches of {} bytes", options_.coordination.window, options_.coordination.batch_bytes)
             : "off");
+    // Ranks that disagreed would meet NCCL's allreduce on one side and point-to-point groups on
+    // the other, and hang.
+    if constexpr (DeviceAllreduce<X>) described += fmt::format(" native-allreduce={}", options_.native_allreduce);
+    return described;
   }
 
   X transport_;

@@ -12,6 +12,8 @@
 //   bucket b     from the bucket's packing to its averages written back (async track "buckets")
 //   encode, decode, average   each schedule step, with bucket and elements (the thread that ran it)
 //   send to P / recv from P   from posting to completion, with bucket and bytes (async tracks)
+//   allreduce    a bucket summed by the transport's own allreduce (Options::native_allreduce),
+//                with its bytes (async track "transfers")
 // Each thread's track is named by what it recorded: "trainer" (ready, wait), "gradsync compute"
 // (encode, decode, average), "gradsync communication" (transfers), or both, with its number.
 // Recording writes one preallocated slot (an atomic increment and a few stores); nothing is
@@ -41,7 +43,7 @@ namespace gradsync {
 
 class Timeline {
  public:
-  enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv };
+  enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv, allreduce };
   static constexpr std::size_t max_capacity = std::size_t{1} << 27;  // 5 GiB of events: a setting's bound
 
   Timeline(std::string path, int rank, std::size_t capacity)
@@ -127,12 +129,14 @@ class Timeline {
           break;
         case Kind::bucket:
         case Kind::send:
-        case Kind::recv: {
+        case Kind::recv:
+        case Kind::allreduce: {
           // Async begin/end pairs: transfers and buckets overlap one another, which slices on one
           // thread's track may not.
-          const std::string label = e.kind == Kind::bucket ? fmt::format("bucket {}", e.bucket)
-                                    : e.kind == Kind::send  ? fmt::format("send to {}", e.peer)
-                                                            : fmt::format("recv from {}", e.peer);
+          const std::string label = e.kind == Kind::bucket      ? fmt::format("bucket {}", e.bucket)
+                                    : e.kind == Kind::send      ? fmt::format("send to {}", e.peer)
+                                    : e.kind == Kind::recv      ? fmt::format("recv from {}", e.peer)
+                                                                : std::string("allreduce");
           const std::string_view category = e.kind == Kind::bucket ? "buckets" : "transfers";
           for (const auto& [phase, at] : {std::pair{'b', ts}, std::pair{'e', ts + dur}})
             fmt::format_to(std::back_inserter(out),
@@ -174,6 +178,7 @@ class Timeline {
       case Kind::average: return "average";
       case Kind::send: return "send";
       case Kind::recv: return "recv";
+      case Kind::allreduce: return "allreduce";
     }
     return "?";
   }
@@ -195,7 +200,7 @@ class Timeline {
     const auto has = [](unsigned bits, Kind kind) { return (bits >> static_cast<unsigned>(kind) & 1u) != 0; };
     for (const auto& [lane, bits] : kinds) {
       const bool computes = has(bits, Kind::encode) || has(bits, Kind::decode) || has(bits, Kind::average);
-      const bool transfers = has(bits, Kind::send) || has(bits, Kind::recv);
+      const bool transfers = has(bits, Kind::send) || has(bits, Kind::recv) || has(bits, Kind::allreduce);
       const std::string_view role = has(bits, Kind::ready) || has(bits, Kind::wait) ? "trainer"
                                     : computes && transfers                         ? "gradsync communication + compute"
                                     : computes                                      ? "gradsync compute"

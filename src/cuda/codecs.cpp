@@ -130,9 +130,7 @@ void Stream::synchronize() {
 }
 
 Event::~Event() {
-  if (!event_) return;
-  cudaSetDevice(device_);
-  cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));  // from any device: the caller's stays current
 }
 
 void Event::record(Stream& stream) {
@@ -141,7 +139,6 @@ void Event::record(Stream& stream) {
     cudaEvent_t event;
     check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "record event");
     event_ = event;
-    device_ = stream.device();
   }
   check(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream.native())), "record event");
 }

@@ -74,7 +74,6 @@ class Event {
 
  private:
   void* event_ = nullptr;  // cudaEvent_t
-  int device_ = 0;
 };
 
 // Writes codec.max_encoded_bytes(n) bytes at `out` (device memory) and returns that size. Stateless

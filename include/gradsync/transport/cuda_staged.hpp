@@ -22,7 +22,9 @@
 //
 // Messages match by tag as X's do, so every topology runs over it. Completions are seen in test()
 // and wait(): the Synchronizer runs buckets on the serial executor over it, as over any device
-// transport. Failures, timeouts and a dead peer are X's.
+// transport. Failures, timeouts and a dead peer are X's; a send whose deferred post fails (its
+// copy, or X refusing it after an abort) throws that Error from its own test() or wait(). abort()
+// may come from any thread, as X's may: it only aborts X, and the posting thread meets it.
 //
 //   using Staged = gradsync::transport::CudaStaged<gradsync::transport::Tcp>;
 //   Staged transport(gradsync::transport::Tcp::from_env(), local_rank % device_count);
@@ -32,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -72,11 +75,10 @@ class CudaStaged {
     CudaStaged* waiting_in_ = nullptr;  // while its copy is not done or its X send not posted
     int peer_ = -1;
     std::uint64_t tag_ = 0;
+    std::optional<Error> failure_;  // its deferred post failed: what test() and wait() throw
   };
 
   // Device memory on CUDA device `device`; messages through `inner`.
-  // Moving is for before the first send: a send still waiting for its copy refers to the object
-  // it was posted on.
   CudaStaged(X inner, int device)
       : inner_(std::move(inner)),
         device_(device),
@@ -87,7 +89,10 @@ class CudaStaged {
         device_(o.device_),
         stream_(std::move(o.stream_)),
         copies_(std::move(o.copies_)),
-        blocks_(std::exchange(o.blocks_, {})) {}
+        blocks_(std::exchange(o.blocks_, {})),
+        unposted_(std::exchange(o.unposted_, {})) {
+    for (Request* r : unposted_) r->waiting_in_ = this;
+  }
   CudaStaged& operator=(CudaStaged&& o) noexcept {
     if (this != &o) {
       drop_unposted();
@@ -97,6 +102,8 @@ class CudaStaged {
       stream_ = std::move(o.stream_);
       copies_ = std::move(o.copies_);
       blocks_ = std::exchange(o.blocks_, {});
+      unposted_ = std::exchange(o.unposted_, {});
+      for (Request* r : unposted_) r->waiting_in_ = this;
     }
     return *this;
   }
@@ -112,9 +119,14 @@ class CudaStaged {
   X& inner() noexcept { return inner_; }
 
   void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
+    if (r.waiting_in_)
+      throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = "send"},
+                  "request reused while its send still waits for its copy");
     r.device_ = nullptr;
+    r.failure_.reset();
     const std::byte* mirror = staged(bytes, "send", peer);
     if (!mirror) return inner_.send(r.inner_, peer, tag, bytes);
+    post_copied();
     r.copied_.record(*stream_);  // the encode that wrote the bytes
     r.copied_.order_before(*copies_);
     cuda::copy(const_cast<std::byte*>(mirror), bytes.data(), bytes.size(), *copies_);
@@ -125,7 +137,6 @@ class CudaStaged {
     r.tag_ = tag;
     r.waiting_in_ = this;
     unposted_.push_back(&r);
-    post_copied();
   }
 
   void recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
@@ -140,6 +151,7 @@ class CudaStaged {
 
   bool test(Request& r) {
     post_copied();
+    if (r.failure_) throw *r.failure_;
     if (r.waiting_in_ || !inner_.test(r.inner_)) return false;
     land(r, r.size_);
     return true;
@@ -149,15 +161,15 @@ class CudaStaged {
   // sends what `r` waits for.
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     post_copied(/*block=*/true);
+    if (r.failure_) throw *r.failure_;
     const std::size_t bytes = inner_.wait(r.inner_, deadline);
     land(r, bytes);
     return bytes;
   }
 
-  void abort(const Error& cause) {
-    drop_unposted();
-    inner_.abort(cause);
-  }
+  // From any thread (X's abort is): the sends still waiting for their copies are left to the
+  // thread that posts, which meets the abort when it hands them to X.
+  void abort(const Error& cause) { inner_.abort(cause); }
 
   std::span<std::byte> allocate(std::size_t bytes) {
     Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, {}};
@@ -213,26 +225,26 @@ class CudaStaged {
   }
 
   // Gives X, in the order they were posted, the staged sends whose copies are done (copies on
-  // one stream finish in order); with `block`, all of them, each as soon as its copy is.
+  // one stream finish in order); with `block`, all of them, each as soon as its copy is. A send
+  // that fails here (its copy, or X refusing it: after an abort, say) keeps its Error for its own
+  // test() or wait().
   void post_copied(bool block = false) {
     std::size_t posted = 0;
-    const auto drop_posted = [&] {
-      unposted_.erase(unposted_.begin(), unposted_.begin() + static_cast<std::ptrdiff_t>(posted));
-    };
-    try {
-      while (posted < unposted_.size()) {
-        Request& r = *unposted_[posted];
+    while (posted < unposted_.size()) {
+      Request& r = *unposted_[posted];
+      try {
         if (block) r.copied_.synchronize();
         else if (!r.copied_.done()) break;
         ++posted;
         r.waiting_in_ = nullptr;
         inner_.send(r.inner_, r.peer_, r.tag_, {r.mirror_, r.size_});
+      } catch (const Error& e) {
+        if (r.waiting_in_) ++posted;  // its copy failed
+        r.waiting_in_ = nullptr;
+        r.failure_ = e.filled({.rank = rank(), .peer = r.peer_, .operation = "send"});
       }
-    } catch (...) {
-      drop_posted();
-      throw;
     }
-    drop_posted();
+    unposted_.erase(unposted_.begin(), unposted_.begin() + static_cast<std::ptrdiff_t>(posted));
   }
 
   // A waiting send's request is going away (an exchange dropped after an error): never post it.
@@ -241,8 +253,8 @@ class CudaStaged {
     std::erase(unposted_, &r);
   }
 
-  // After a failure, or at the end: the waiting sends are never posted, and their copies finish
-  // before the mirrors may go.
+  // At the end: the waiting sends are never posted, and their copies finish before the mirrors
+  // may go.
   void drop_unposted() noexcept {
     for (Request* r : unposted_) r->waiting_in_ = nullptr;
     unposted_.clear();
