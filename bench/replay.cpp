@@ -29,7 +29,7 @@
 //
 // --device (builds with CUDA): the gradients live in GPU memory (device LOCAL_RANK modulo the
 // machine's count) and the exchange runs on it, the codecs as kernels, over the same transport
-// wrapped in transport::CudaStaged; fixed-size bucketing and the ring only, the serial executor.
+// wrapped in transport::CudaStaged; fixed-size bucketing and the ring only, either executor.
 //
 // An iteration's time runs from the start of backward to the return of wait(); exposed is the
 // time wait() blocked; cpu is the CPU time rank 0's process (all its threads) used during the
@@ -370,8 +370,9 @@ int main(int argc, char** argv) try {
   const auto chunk = std::max<std::size_t>(1, static_cast<std::size_t>(cfg.chunk_mib * (1 << 20) / sizeof(float)));
   if (cfg.device) {
 #if GRADSYNC_HAS_CUDA
-    if (cfg.bucketing != "fixed-size" || cfg.topology != "ring" || cfg.executor != "serial")
-      throw std::invalid_argument("--device runs with --bucketing fixed-size --topology ring --executor serial");
+    if (cfg.bucketing != "fixed-size" || cfg.topology != "ring" || cfg.selective || cfg.coordination.enabled)
+      throw std::invalid_argument("--device runs with --bucketing fixed-size --topology ring, without --selective "
+                                  "and --coordinate");
     const int devices = gs::cuda::device_count();
     if (devices == 0) throw std::runtime_error("--device: this process sees no CUDA device");
     const int device = gs::launch::from_environment().local_rank % devices;

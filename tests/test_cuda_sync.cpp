@@ -83,8 +83,8 @@ std::vector<std::byte> input(const Gradient& g, int rank, int iteration, std::si
 // and returns every iteration's averages, as bytes.
 template <class C, class T, class X>
 std::vector<std::byte> run(X transport, int rank, bool on_device, const C& codec, const T& topology,
-                           const std::vector<Gradient>& layout) {
-  Synchronizer<bucketing::FixedSize, C, T, X> sync(std::move(transport), {.timeout = 30s},
+                           const std::vector<Gradient>& layout, Executor executor = Executor::task_graph) {
+  Synchronizer<bucketing::FixedSize, C, T, X> sync(std::move(transport), {.timeout = 30s, .executor = executor},
                                                    {.cap_bytes = 8192, .first_cap_bytes = 2048}, codec, topology);
   std::vector<std::vector<std::byte>> host(layout.size());
   std::vector<void*> device(layout.size(), nullptr);
@@ -126,10 +126,12 @@ std::vector<Gradient> f32_gradients() { return {{1000, DType::f32}, {4099, DType
 // Each rank runs the device path, then the host path, over a fresh transport each time; it
 // reports "digest <hex>" if they agree bit for bit, and the ranks' digests must all be equal.
 // `staged`: the device path is the exchange on the device (transport::CudaStaged over the same
-// transport: buckets on the GPU, codecs as kernels), with f32, f16 and bf16 gradients; otherwise
-// device gradients staged through host buckets, with every dtype the codec takes.
+// transport: buckets on the GPU, codecs as kernels), with f32, f16 and bf16 gradients, on
+// `executor`; otherwise device gradients staged through host buckets, with every dtype the codec
+// takes.
 template <class C, class T>
-void device_matches_host(const std::string& what, const C& codec, const T& topology, bool staged = false) {
+void device_matches_host(const std::string& what, const C& codec, const T& topology, bool staged = false,
+                         Executor executor = Executor::task_graph) {
   const std::vector<Gradient> layout = gradients(!staged && CodecFor<C, double>);  // the device path reduces in f32
   for (const bool shared_memory : {false, true})
     for (const int n : {2, 4}) {
@@ -146,7 +148,7 @@ void device_matches_host(const std::string& what, const C& codec, const T& topol
           const auto over = [&](auto transport) {
             if (staged && on_device)
               return run(transport::CudaStaged<decltype(transport)>(std::move(transport), 0), rank, true, codec,
-                         topology, layout);
+                         topology, layout, executor);
             return run(std::move(transport), rank, on_device, codec, topology, layout);
           };
           if (shared_memory)
@@ -193,14 +195,18 @@ TEST_SUITE("cuda") {
 
   TEST_CASE("the exchange on the device (CudaStaged over Tcp and SharedMemory) gives the host path's bits" *
             doctest::skip(no_device)) {
-    device_matches_host("staged none", compression::None{}, topology::Ring{.chunk_elements = 512}, true);
-    device_matches_host("staged fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512}, true);
-    device_matches_host("staged ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{}, true);
-    device_matches_host("staged ef-one-bit", compression::ErrorFeedback<compression::OneBit>{},
-                        topology::ParameterServer{.chunk_elements = 512}, true);
-    device_matches_host("staged two-bit", compression::TwoBit{}, topology::ParameterServer{}, true);
-    device_matches_host("staged random-k", compression::RandomK{},
-                        topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, true);
+    for (const Executor executor : {Executor::serial, Executor::task_graph}) {
+      CAPTURE(executor == Executor::serial ? "serial" : "task graph");
+      device_matches_host("staged none", compression::None{}, topology::Ring{.chunk_elements = 512}, true, executor);
+      device_matches_host("staged fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512}, true, executor);
+      device_matches_host("staged ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{}, true,
+                          executor);
+      device_matches_host("staged ef-one-bit", compression::ErrorFeedback<compression::OneBit>{},
+                          topology::ParameterServer{.chunk_elements = 512}, true, executor);
+      device_matches_host("staged two-bit", compression::TwoBit{}, topology::ParameterServer{}, true, executor);
+      device_matches_host("staged random-k", compression::RandomK{},
+                          topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, true, executor);
+    }
   }
 
   TEST_CASE("a rank that dies fails the others fast on the device path (CudaStaged over Tcp)" *

@@ -247,6 +247,16 @@ concept DeviceTransport = TransportAllocator<X> && requires(X& x) {
   { x.cuda_stream() } -> std::same_as<cuda::Stream&>;
 };
 
+// A transport that may hold a posted send back until something of its own is done
+// (transport::CudaStaged: the send's copy to host memory): post_deferred() hands on those that
+// can go and returns true while some are still held (throwing the Error of one that failed to go).
+// Its test() and wait() do that too; an executor that only hears of completions through a
+// CompletionSink (the task graph) calls it instead, and looks again soon while it returns true.
+template <class X>
+concept DeferredSender = TransportPolicy<X> && requires(X& x) {
+  { x.post_deferred() } -> std::same_as<bool>;
+};
+
 // A device transport with an allreduce of its own (transport::Nccl: ncclAllReduce, NCCL's
 // algorithms over its links): allreduce(values, deadline) sums f32 device values over every rank
 // of the transport in place, every rank ending with the same bits. The Synchronizer sends

@@ -16,9 +16,9 @@ enum class Executor : std::uint8_t {
   // buckets are in flight at once.
   task_graph,
   // engine::BucketExchange::run: one thread walks each bucket's steps in list order, one bucket
-  // at a time; the naive baseline the task graph is measured against. Always, over a device
-  // transport (transport::Nccl): its kernels queue on one stream in step order, and its messages
-  // match in posting order, which several threads posting would not keep.
+  // at a time; the naive baseline the task graph is measured against. Always over
+  // transport::Nccl, whose messages match in posting order, which threads posting as work gets
+  // ready would not keep alike on every rank.
   serial,
 };
 

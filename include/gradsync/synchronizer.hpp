@@ -114,10 +114,11 @@ class Synchronizer {
     if (options_.coordination.enabled && options_.executor != Executor::task_graph)
       throw Error(ErrorKind::invalid_argument, here("options"), "coordinated sends need the task-graph executor");
     if constexpr (DeviceTransport<X>) {
-      // Coordination needs the task graph, which a device transport does not run (Executor::serial).
+      // Coordination's reports and grants are host messages timed against host-memory sends.
       if (options_.coordination.enabled)
         throw Error(ErrorKind::unsupported, here("options"),
-                    fmt::format("coordinated sends need the task-graph executor, and over {} buckets run serially",
+                    fmt::format("coordinated sends are not supported over {}: buckets there travel from device "
+                                "memory",
                                 transport_.describe()));
       // Calibration times transfers of host memory, which is not what buckets take over it.
       if (options_.selective_compression)
@@ -319,7 +320,9 @@ class Synchronizer {
         for (const auto& gradient : layout_) names.push_back(gradient.name);
         timeline_->name_gradients(std::move(names));
       }
-      if (options_.executor == Executor::task_graph && !DeviceTransport<X>)
+      // Over NCCL, messages match in posting order, which threads posting as work gets ready
+      // would not keep alike on every rank: the serial executor only.
+      if (options_.executor == Executor::task_graph && !OrderMatchedTransport<X>)
         engine_ = std::make_unique<engine::TaskGraph<C, X>>(
             transport_, codec_, group_, options_.compute_threads, options_.timeout,
             typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },

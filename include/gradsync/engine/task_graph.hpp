@@ -21,6 +21,12 @@
 // iteration starts every installed bucket once; on the coordinator finish() also waits until
 // every rank has reported the iteration finished.
 //
+// Over a device transport (transport::CudaStaged; not Nccl, whose messages match in posting
+// order) a compute task queues its kernels on the transport's one stream and is done once they
+// are queued: stream order carries the dependency to whatever is queued after it, and a send is
+// ordered after its encode by the transport. Sends it holds back until their copies to host
+// memory are done are handed on every pass (DeferredSender, concepts.hpp).
+//
 // Nothing is allocated per task: queues and per-step counters are sized by install().
 // The transport must have no request of this engine pending when it is destroyed; the
 // Synchronizer aborts the transport on failure, which settles them all.
@@ -369,6 +375,7 @@ class TaskGraph final : private transport::CompletionSink {
         }
         post_ready(sent);
         settle_completions();
+        if constexpr (DeferredSender<X>) holding_back_ = transport_.post_deferred();
         if (channel_) serve_coordinator(pass, sent);
         if (pass.overdue) expire(pass.oldest);
       } catch (const Error& e) {
@@ -387,8 +394,15 @@ class TaskGraph final : private transport::CompletionSink {
       return stopping_ ||
              (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
     };
+    // A transport holding sends back (DeferredSender) is looked at again soon: nothing else
+    // would wake this thread when they can go.
+    const auto soon = Clock::now() + deferred_poll;
     if (!failed_ && oldest_pending())
-      communication_cv_.wait_until(lock, posted_[posted_head_].deadline, has_work);
+      communication_cv_.wait_until(lock, holding_back_ ? std::min(soon, posted_[posted_head_].deadline)
+                                                       : posted_[posted_head_].deadline,
+                                   has_work);
+    else if (!failed_ && holding_back_)
+      communication_cv_.wait_until(lock, soon, has_work);
     else
       communication_cv_.wait(lock, has_work);
   }
@@ -594,6 +608,10 @@ class TaskGraph final : private transport::CompletionSink {
   std::vector<std::uint64_t> settling_;
   std::vector<std::uint64_t> finished_;
   std::uint64_t working_on_ = 0;  // the communication thread's current task, to locate its errors
+  // The transport holds sends back (DeferredSender): the communication thread's own, looked at
+  // again after deferred_poll. A copy of a piece to host memory takes tens of microseconds.
+  bool holding_back_ = false;
+  static constexpr std::chrono::microseconds deferred_poll{20};
 
   // Coordination: the channel is used by the communication thread only; the rest under the lock.
   std::optional<CoordinatorChannel<X>> channel_;

@@ -20,9 +20,9 @@
 // A send's device bytes must stay as they are until it completes (test or wait), as any
 // transport's; the schedules' `after` orders every write to a range behind the sends of it.
 //
-// Messages match by tag as X's do, so every topology runs over it. Completions are seen in test()
-// and wait(): the Synchronizer runs buckets on the serial executor over it, as over any device
-// transport. Failures, timeouts and a dead peer are X's; a send whose deferred post fails (its
+// Messages match by tag as X's do, so every topology runs over it, on either executor: the
+// serial one sees completions in test() and wait(), the task graph hears of them from X and calls
+// post_deferred() for the sends held back (DeferredSender, concepts.hpp). Failures, timeouts and a dead peer are X's; a send whose deferred post fails (its
 // copy, or X refusing it after an abort) throws that Error from its own test() or wait(). abort()
 // may come from any thread, as X's may: it only aborts X, and the posting thread meets it.
 //
@@ -171,6 +171,13 @@ class CudaStaged {
   // thread that posts, which meets the abort when it hands them to X.
   void abort(const Error& cause) { inner_.abort(cause); }
 
+  // DeferredSender (concepts.hpp): hands X the sends whose copies are done; true while some are
+  // still waiting for theirs. Throws the Error of a send that failed to go (it keeps it too).
+  bool post_deferred() {
+    if (const Error* failed = post_copied()) throw *failed;
+    return !unposted_.empty();
+  }
+
   std::span<std::byte> allocate(std::size_t bytes) {
     Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, {}};
     try {
@@ -227,8 +234,9 @@ class CudaStaged {
   // Gives X, in the order they were posted, the staged sends whose copies are done (copies on
   // one stream finish in order); with `block`, all of them, each as soon as its copy is. A send
   // that fails here (its copy, or X refusing it: after an abort, say) keeps its Error for its own
-  // test() or wait().
-  void post_copied(bool block = false) {
+  // test() or wait(); the first such Error is returned.
+  const Error* post_copied(bool block = false) {
+    const Error* first_failure = nullptr;
     std::size_t posted = 0;
     while (posted < unposted_.size()) {
       Request& r = *unposted_[posted];
@@ -242,9 +250,11 @@ class CudaStaged {
         if (r.waiting_in_) ++posted;  // its copy failed
         r.waiting_in_ = nullptr;
         r.failure_ = e.filled({.rank = rank(), .peer = r.peer_, .operation = "send"});
+        if (!first_failure) first_failure = &*r.failure_;
       }
     }
     unposted_.erase(unposted_.begin(), unposted_.begin() + static_cast<std::ptrdiff_t>(posted));
+    return first_failure;
   }
 
   // A waiting send's request is going away (an exchange dropped after an error): never post it.
@@ -287,6 +297,6 @@ class CudaStaged {
   std::vector<Request*> unposted_;  // staged sends not yet given to X, in the order they were posted
 };
 
-static_assert(DeviceTransport<CudaStaged<Tcp>>);
+static_assert(DeviceTransport<CudaStaged<Tcp>> && DeferredSender<CudaStaged<Tcp>>);
 
 }  // namespace gradsync::transport
