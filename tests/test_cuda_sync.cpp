@@ -174,6 +174,19 @@ void device_matches_host(const std::string& what, const C& codec, const T& topol
     }
 }
 
+// The exchange on the device (CudaStaged) on `executor`, for several codecs and every topology.
+void staged_matches_host(Executor executor) {
+  device_matches_host("staged none", compression::None{}, topology::Ring{.chunk_elements = 512}, true, executor);
+  device_matches_host("staged fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512}, true, executor);
+  device_matches_host("staged ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{}, true,
+                      executor);
+  device_matches_host("staged ef-one-bit", compression::ErrorFeedback<compression::OneBit>{},
+                      topology::ParameterServer{.chunk_elements = 512}, true, executor);
+  device_matches_host("staged two-bit", compression::TwoBit{}, topology::ParameterServer{}, true, executor);
+  device_matches_host("staged random-k", compression::RandomK{},
+                      topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, true, executor);
+}
+
 }  // namespace
 
 TEST_SUITE("cuda") {
@@ -193,20 +206,14 @@ TEST_SUITE("cuda") {
     device_matches_host("bf16", compression::Bf16{}, topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512});
   }
 
-  TEST_CASE("the exchange on the device (CudaStaged over Tcp and SharedMemory) gives the host path's bits" *
+  TEST_CASE("the exchange on the device (CudaStaged over Tcp and SharedMemory), serial: the host path's bits" *
             doctest::skip(no_device)) {
-    for (const Executor executor : {Executor::serial, Executor::task_graph}) {
-      CAPTURE(executor == Executor::serial ? "serial" : "task graph");
-      device_matches_host("staged none", compression::None{}, topology::Ring{.chunk_elements = 512}, true, executor);
-      device_matches_host("staged fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512}, true, executor);
-      device_matches_host("staged ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{}, true,
-                          executor);
-      device_matches_host("staged ef-one-bit", compression::ErrorFeedback<compression::OneBit>{},
-                          topology::ParameterServer{.chunk_elements = 512}, true, executor);
-      device_matches_host("staged two-bit", compression::TwoBit{}, topology::ParameterServer{}, true, executor);
-      device_matches_host("staged random-k", compression::RandomK{},
-                          topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, true, executor);
-    }
+    staged_matches_host(Executor::serial);
+  }
+
+  TEST_CASE("the exchange on the device (CudaStaged over Tcp and SharedMemory), task graph: the host path's bits" *
+            doctest::skip(no_device)) {
+    staged_matches_host(Executor::task_graph);
   }
 
   TEST_CASE("a rank that dies fails the others fast on the device path (CudaStaged over Tcp)" *
@@ -214,41 +221,45 @@ TEST_SUITE("cuda") {
     // Three processes, buckets on the GPU, ef-two-bit in small pieces; rank 2 dies after its
     // second synchronization. The others must fail with peer_failed naming it (a timeout would
     // mean they waited out the 20 s instead, a send held back for its copy included).
-    const std::uint16_t port = test::free_port();
-    const auto results = test::run_processes(3, [&](int rank) -> std::string {
-      if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
-      using Staged = transport::CudaStaged<transport::Tcp>;
-      Synchronizer<bucketing::FixedSize, compression::ErrorFeedback<compression::TwoBit>, topology::Ring, Staged> sync(
-          Staged(transport::Tcp({.rank = rank, .world_size = 3, .master_port = port, .token = token,
-                                 .setup_timeout = 30s}),
-                 0),
-          {.timeout = 20s}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {}, topology::Ring{.chunk_elements = 256});
-      const std::vector<Gradient> layout = f32_gradients();
-      std::vector<void*> device(layout.size(), nullptr);
-      for (std::size_t g = 0; g < layout.size(); ++g) {
-        if (cudaMalloc(&device[g], layout[g].count * sizeof(float)) != cudaSuccess) return "cudaMalloc failed";
-        sync.add("g" + std::to_string(g), view(std::span(static_cast<float*>(device[g]), layout[g].count), Device::cuda(0)));
-      }
-      for (int iteration = 0; iteration < 5; ++iteration) {
-        if (rank == 2 && iteration == 2) ::_exit(3);
+    for (const Executor executor : {Executor::serial, Executor::task_graph}) {
+      CAPTURE(executor == Executor::serial ? "serial" : "task graph");
+      const std::uint16_t port = test::free_port();
+      const auto results = test::run_processes(3, [&](int rank) -> std::string {
+        if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
+        using Staged = transport::CudaStaged<transport::Tcp>;
+        Synchronizer<bucketing::FixedSize, compression::ErrorFeedback<compression::TwoBit>, topology::Ring, Staged> sync(
+            Staged(transport::Tcp({.rank = rank, .world_size = 3, .master_port = port, .token = token,
+                                   .setup_timeout = 30s}),
+                   0),
+            {.timeout = 20s, .executor = executor}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {},
+            topology::Ring{.chunk_elements = 256});
+        const std::vector<Gradient> layout = f32_gradients();
+        std::vector<void*> device(layout.size(), nullptr);
         for (std::size_t g = 0; g < layout.size(); ++g) {
-          const std::vector<std::byte> values = input(layout[g], rank, iteration, g);
-          if (cudaMemcpy(device[g], values.data(), values.size(), cudaMemcpyHostToDevice) != cudaSuccess)
-            return "cudaMemcpy failed";
-          sync.ready(static_cast<GradId>(g));
+          if (cudaMalloc(&device[g], layout[g].count * sizeof(float)) != cudaSuccess) return "cudaMalloc failed";
+          sync.add("g" + std::to_string(g), view(std::span(static_cast<float*>(device[g]), layout[g].count), Device::cuda(0)));
         }
-        sync.wait();
+        for (int iteration = 0; iteration < 5; ++iteration) {
+          if (rank == 2 && iteration == 2) ::_exit(3);
+          for (std::size_t g = 0; g < layout.size(); ++g) {
+            const std::vector<std::byte> values = input(layout[g], rank, iteration, g);
+            if (cudaMemcpy(device[g], values.data(), values.size(), cudaMemcpyHostToDevice) != cudaSuccess)
+              return "cudaMemcpy failed";
+            sync.ready(static_cast<GradId>(g));
+          }
+          sync.wait();
+        }
+        return "finished";
+      });
+      CHECK(WIFEXITED(results[2].status));
+      CHECK(WEXITSTATUS(results[2].status) == 3);
+      for (int r : {0, 1}) {
+        const std::string& report = results[static_cast<std::size_t>(r)].report;
+        CAPTURE(r);
+        CAPTURE(report);
+        CHECK(report.starts_with("error peer failed"));
+        CHECK(report.find("peer 2") != std::string::npos);
       }
-      return "finished";
-    });
-    CHECK(WIFEXITED(results[2].status));
-    CHECK(WEXITSTATUS(results[2].status) == 3);
-    for (int r : {0, 1}) {
-      const std::string& report = results[static_cast<std::size_t>(r)].report;
-      CAPTURE(r);
-      CAPTURE(report);
-      CHECK(report.starts_with("error peer failed"));
-      CHECK(report.find("peer 2") != std::string::npos);
     }
   }
 

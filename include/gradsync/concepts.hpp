@@ -249,9 +249,10 @@ concept DeviceTransport = TransportAllocator<X> && requires(X& x) {
 
 // A transport that may hold a posted send back until something of its own is done
 // (transport::CudaStaged: the send's copy to host memory): post_deferred() hands on those that
-// can go and returns true while some are still held (throwing the Error of one that failed to go).
-// Its test() and wait() do that too; an executor that only hears of completions through a
-// CompletionSink (the task graph) calls it instead, and looks again soon while it returns true.
+// can go and returns true while some are still held. Its test() and wait() do that too; an
+// executor that only hears of completions through a CompletionSink (the task graph) calls it
+// instead, and looks again soon while it returns true. A held send that fails to go completes
+// with its Error, reported to its sink like any other completion.
 template <class X>
 concept DeferredSender = TransportPolicy<X> && requires(X& x) {
   { x.post_deferred() } -> std::same_as<bool>;

@@ -120,6 +120,13 @@ class Synchronizer {
                     fmt::format("coordinated sends are not supported over {}: buckets there travel from device "
                                 "memory",
                                 transport_.describe()));
+      // Encodes share the stream's scratch (one-bit's sums, a scale) in launch order, which
+      // several threads launching would interleave.
+      if (options_.compute_threads != 1)
+        throw Error(ErrorKind::unsupported, here("options"),
+                    fmt::format("compute_threads is {}; over {} the task graph's compute runs on one thread, "
+                                "queueing kernels on one stream",
+                                options_.compute_threads, transport_.describe()));
       // Calibration times transfers of host memory, which is not what buckets take over it.
       if (options_.selective_compression)
         throw Error(ErrorKind::unsupported, here("options"),
@@ -321,8 +328,9 @@ class Synchronizer {
         timeline_->name_gradients(std::move(names));
       }
       // Over NCCL, messages match in posting order, which threads posting as work gets ready
-      // would not keep alike on every rank: the serial executor only.
-      if (options_.executor == Executor::task_graph && !OrderMatchedTransport<X>)
+      // would not keep alike on every rank, and buckets may go through its own allreduce: the
+      // serial executor only.
+      if (options_.executor == Executor::task_graph && !OrderMatchedTransport<X> && !DeviceAllreduce<X>)
         engine_ = std::make_unique<engine::TaskGraph<C, X>>(
             transport_, codec_, group_, options_.compute_threads, options_.timeout,
             typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },

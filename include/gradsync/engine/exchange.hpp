@@ -27,13 +27,15 @@
 // its range qualifies: posted early, it adds while the schedule runs, so nothing else may read or
 // write those values until its add step.
 //
-// On a device transport (DeviceTransport, concepts.hpp: transport::Nccl) the bucket and the slots
-// are device memory, and compute() queues each step as kernels on the transport's stream: the
-// device codecs (cuda/codecs.hpp, the CPU codecs' bits), their fused error feedback with a device
-// residual per encode step, a kernel add for plain values and a kernel division for the average.
-// The transport orders its transfers on the same stream, so a send follows its encode without the
-// host waiting; the host waits only where the serial executor waits for a receive. f32 buckets
-// only, and codecs with a device path (not TopK); the constructor says so otherwise.
+// On a device transport (DeviceTransport, concepts.hpp: transport::Nccl, transport::CudaStaged)
+// the bucket and the slots are device memory, and compute() queues each step as kernels on the
+// transport's stream: the device codecs (cuda/codecs.hpp, the CPU codecs' bits), their fused error
+// feedback with a device residual per encode step, a kernel add for plain values and a kernel
+// division for the average. The transport orders its transfers after what is queued on that
+// stream, so a send follows its encode without the host waiting; the host waits only for
+// receives (and the task graph not even there). A step's compute time is the time to queue its
+// kernels. f32 buckets only, and codecs with a device path (not TopK); the constructor says so
+// otherwise.
 
 #include <algorithm>
 #include <chrono>

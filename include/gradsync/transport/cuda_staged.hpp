@@ -61,7 +61,11 @@ class CudaStaged {
     ~Request() {
       if (waiting_in_) waiting_in_->forget(*this);
     }
-    void report_to(CompletionSink* sink, std::uint64_t id) noexcept { inner_.report_to(sink, id); }
+    void report_to(CompletionSink* sink, std::uint64_t id) noexcept {
+      inner_.report_to(sink, id);
+      sink_ = sink;
+      sink_id_ = id;
+    }
 
    private:
     friend class CudaStaged;
@@ -76,6 +80,8 @@ class CudaStaged {
     int peer_ = -1;
     std::uint64_t tag_ = 0;
     std::optional<Error> failure_;  // its deferred post failed: what test() and wait() throw
+    CompletionSink* sink_ = nullptr;  // told of that failure, as X would be of X's own
+    std::uint64_t sink_id_ = 0;
   };
 
   // Device memory on CUDA device `device`; messages through `inner`.
@@ -157,11 +163,16 @@ class CudaStaged {
     return true;
   }
 
-  // Posts every send still waiting for its copy first: the peer may need one of them before it
-  // sends what `r` waits for.
+  // Unless `r` is already complete, posts every send still waiting for its copy first: the peer
+  // may need one of them before it sends what `r` waits for. (The task graph waits only for what
+  // it has heard is complete, and should not stall on copies meanwhile.)
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
-    post_copied(/*block=*/true);
+    post_copied();
     if (r.failure_) throw *r.failure_;
+    if (r.waiting_in_ || !inner_.test(r.inner_)) {
+      post_copied(/*block=*/true);
+      if (r.failure_) throw *r.failure_;
+    }
     const std::size_t bytes = inner_.wait(r.inner_, deadline);
     land(r, bytes);
     return bytes;
@@ -172,9 +183,9 @@ class CudaStaged {
   void abort(const Error& cause) { inner_.abort(cause); }
 
   // DeferredSender (concepts.hpp): hands X the sends whose copies are done; true while some are
-  // still waiting for theirs. Throws the Error of a send that failed to go (it keeps it too).
+  // still waiting for theirs.
   bool post_deferred() {
-    if (const Error* failed = post_copied()) throw *failed;
+    post_copied();
     return !unposted_.empty();
   }
 
@@ -200,6 +211,7 @@ class CudaStaged {
   void deallocate(std::span<std::byte> block) {
     const auto it = std::find_if(blocks_.begin(), blocks_.end(), [&](const Block& b) { return b.device == block.data(); });
     if (it == blocks_.end()) return;
+    finish_streams();  // copies queued after a failure may still use it
     release(*it);
     blocks_.erase(it);
   }
@@ -234,9 +246,8 @@ class CudaStaged {
   // Gives X, in the order they were posted, the staged sends whose copies are done (copies on
   // one stream finish in order); with `block`, all of them, each as soon as its copy is. A send
   // that fails here (its copy, or X refusing it: after an abort, say) keeps its Error for its own
-  // test() or wait(); the first such Error is returned.
-  const Error* post_copied(bool block = false) {
-    const Error* first_failure = nullptr;
+  // test() or wait(), and completes: its CompletionSink is told, as X would tell it.
+  void post_copied(bool block = false) {
     std::size_t posted = 0;
     while (posted < unposted_.size()) {
       Request& r = *unposted_[posted];
@@ -250,11 +261,10 @@ class CudaStaged {
         if (r.waiting_in_) ++posted;  // its copy failed
         r.waiting_in_ = nullptr;
         r.failure_ = e.filled({.rank = rank(), .peer = r.peer_, .operation = "send"});
-        if (!first_failure) first_failure = &*r.failure_;
+        if (r.sink_) r.sink_->completed(r.sink_id_);
       }
     }
     unposted_.erase(unposted_.begin(), unposted_.begin() + static_cast<std::ptrdiff_t>(posted));
-    return first_failure;
   }
 
   // A waiting send's request is going away (an exchange dropped after an error): never post it.
@@ -268,10 +278,18 @@ class CudaStaged {
   void drop_unposted() noexcept {
     for (Request* r : unposted_) r->waiting_in_ = nullptr;
     unposted_.clear();
-    if (!copies_) return;
-    try {
-      copies_->synchronize();
-    } catch (const Error&) {  // a failed copy: nothing left to wait for
+    finish_streams();
+  }
+
+  // Waits for every copy queued on either stream, whatever became of them (after a failure, the
+  // sends held back and the receives landing may still be copying).
+  void finish_streams() noexcept {
+    for (cuda::Stream* s : {stream_.get(), copies_.get()}) {
+      if (!s) continue;
+      try {
+        s->synchronize();
+      } catch (const Error&) {  // a failed copy or decode: nothing left to wait for
+      }
     }
   }
 
