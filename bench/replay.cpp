@@ -9,7 +9,7 @@
 //          [--executor task-graph|serial] [--compute-threads N] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
-//          [--drift-at N] [--drift-factor F] [--spin] [--device] [--json PATH]
+//          [--drift-at N] [--drift-factor F] [--spin] [--device [--ipc]] [--json PATH]
 //
 // With --time-scale 0 every gradient is ready at once and the iteration time is the time one
 // synchronization of the whole model takes (size, time, algbw and busbw are printed for it).
@@ -30,6 +30,8 @@
 // --device (builds with CUDA): the gradients live in GPU memory (device LOCAL_RANK modulo the
 // machine's count) and the exchange runs on it, the codecs as kernels, over the same transport
 // wrapped in transport::CudaStaged; fixed-size bucketing and the ring only, either executor.
+// --ipc with it: ranks on the same GPU exchange device to device through CUDA IPC, not through
+// host mirrors (CudaStaged's ipc option).
 //
 // An iteration's time runs from the start of backward to the return of wait(); exposed is the
 // time wait() blocked; cpu is the CPU time rank 0's process (all its threads) used during the
@@ -97,6 +99,7 @@ struct Config {
   bool selective = false;
   gs::Coordination coordination;
   bool device = false;
+  bool ipc = false;
 };
 
 // CPU time this process (every thread) has used so far, in the user and in the kernel.
@@ -336,6 +339,7 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--drift-factor", cfg.drift_factor, "how much slower", {.low = 0, .low_open = true});
   app.add_flag("--spin", cfg.spin, "busy-wait through compute instead of sleeping");
   app.add_flag("--device", cfg.device, "gradients in GPU memory, the codecs as kernels (transport::CudaStaged)");
+  app.add_flag("--ipc", cfg.ipc, "with --device: ranks on one GPU exchange through CUDA IPC, not host memory");
   app.add_option("--json", cfg.json, "also write the results and every iteration as JSON to this file");
 }
 
@@ -368,6 +372,7 @@ int main(int argc, char** argv) try {
   tk::JobTransport transport = tk::connect_or_alone();
   cfg.codec_settings.rank = transport.rank();
   const auto chunk = std::max<std::size_t>(1, static_cast<std::size_t>(cfg.chunk_mib * (1 << 20) / sizeof(float)));
+  if (cfg.ipc && !cfg.device) throw std::invalid_argument("--ipc goes with --device");
   if (cfg.device) {
 #if GRADSYNC_HAS_CUDA
     if (cfg.bucketing != "fixed-size" || cfg.topology != "ring" || cfg.selective || cfg.coordination.enabled)
@@ -378,7 +383,7 @@ int main(int argc, char** argv) try {
     const int device = gs::launch::from_environment().local_rank % devices;
     const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
     return tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
-      return run(cfg, trace, gs::transport::CudaStaged<tk::JobTransport>(std::move(transport), device),
+      return run(cfg, trace, gs::transport::CudaStaged<tk::JobTransport>(std::move(transport), device, {.ipc = cfg.ipc}),
                  gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)},
                  codec, gs::topology::Ring{.chunk_elements = chunk}, device);
     });

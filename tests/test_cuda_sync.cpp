@@ -2,7 +2,9 @@
 // Tcp (loopback) and SharedMemory, end every iteration with the bits the same gradients in host
 // memory give, for f32, f64, f16 and bf16 gradients, several codecs and every topology, and the
 // same bits on every rank; and so does the exchange on the device (transport::CudaStaged: buckets
-// on the GPU, the codecs as kernels) for f32, f16 and bf16 gradients. Skipped, with the reason printed, where no CUDA device is present.
+// on the GPU, the codecs as kernels) for f32, f16 and bf16 gradients, through host mirrors or,
+// between processes on the one GPU, through CUDA IPC. Skipped, with the reason printed, where no
+// CUDA device is present.
 //
 // The test process itself never touches CUDA, since a forked child cannot use a context its
 // parent made: children probe for the device and do all the CUDA work.
@@ -123,15 +125,20 @@ std::string digest(const std::vector<std::byte>& bytes) {
 // f32 gradients at sizes that are not multiples of anything.
 std::vector<Gradient> f32_gradients() { return {{1000, DType::f32}, {4099, DType::f32}, {17, DType::f32}, {3001, DType::f32}}; }
 
+// How the device path runs in device_matches_host.
+enum class DevicePath {
+  host_buckets,  // device gradients staged through host buckets, every dtype the codec takes
+  staged,        // the exchange on the device (CudaStaged: buckets on the GPU, codecs as kernels)
+  ipc,           // the same, device to device between the processes (CudaStaged with ipc)
+};
+
 // Each rank runs the device path, then the host path, over a fresh transport each time; it
 // reports "digest <hex>" if they agree bit for bit, and the ranks' digests must all be equal.
-// `staged`: the device path is the exchange on the device (transport::CudaStaged over the same
-// transport: buckets on the GPU, codecs as kernels), with f32, f16 and bf16 gradients, on
-// `executor`; otherwise device gradients staged through host buckets, with every dtype the codec
-// takes.
+// The exchange on the device takes f32, f16 and bf16 gradients and runs on `executor`.
 template <class C, class T>
-void device_matches_host(const std::string& what, const C& codec, const T& topology, bool staged = false,
-                         Executor executor = Executor::task_graph) {
+void device_matches_host(const std::string& what, const C& codec, const T& topology,
+                         DevicePath path = DevicePath::host_buckets, Executor executor = Executor::task_graph) {
+  const bool staged = path != DevicePath::host_buckets;
   const std::vector<Gradient> layout = gradients(!staged && CodecFor<C, double>);  // the device path reduces in f32
   for (const bool shared_memory : {false, true})
     for (const int n : {2, 4}) {
@@ -146,9 +153,13 @@ void device_matches_host(const std::string& what, const C& codec, const T& topol
         for (int pass = 0; pass < 2; ++pass) {
           const bool on_device = pass == 0;
           const auto over = [&](auto transport) {
-            if (staged && on_device)
-              return run(transport::CudaStaged<decltype(transport)>(std::move(transport), 0), rank, true, codec,
-                         topology, layout, executor);
+            if (staged && on_device) {
+              transport::CudaStaged<decltype(transport)> device(std::move(transport), 0,
+                                                                {.ipc = path == DevicePath::ipc});
+              if (device.ipc_peers() != (path == DevicePath::ipc ? n - 1 : 0))
+                throw std::runtime_error(fmt::format("{} peers through CUDA IPC", device.ipc_peers()));
+              return run(std::move(device), rank, true, codec, topology, layout, executor);
+            }
             return run(std::move(transport), rank, on_device, codec, topology, layout);
           };
           if (shared_memory)
@@ -174,17 +185,17 @@ void device_matches_host(const std::string& what, const C& codec, const T& topol
     }
 }
 
-// The exchange on the device (CudaStaged) on `executor`, for several codecs and every topology.
-void staged_matches_host(Executor executor) {
-  device_matches_host("staged none", compression::None{}, topology::Ring{.chunk_elements = 512}, true, executor);
-  device_matches_host("staged fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512}, true, executor);
-  device_matches_host("staged ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{}, true,
-                      executor);
-  device_matches_host("staged ef-one-bit", compression::ErrorFeedback<compression::OneBit>{},
-                      topology::ParameterServer{.chunk_elements = 512}, true, executor);
-  device_matches_host("staged two-bit", compression::TwoBit{}, topology::ParameterServer{}, true, executor);
-  device_matches_host("staged random-k", compression::RandomK{},
-                      topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, true, executor);
+// The exchange on the device (CudaStaged, through host mirrors or CUDA IPC) on `executor`, for
+// several codecs and every topology.
+void staged_matches_host(DevicePath path, Executor executor) {
+  device_matches_host("none", compression::None{}, topology::Ring{.chunk_elements = 512}, path, executor);
+  device_matches_host("fp16", compression::Fp16{}, topology::Ring{.chunk_elements = 512}, path, executor);
+  device_matches_host("ef-two-bit", compression::ErrorFeedback<compression::TwoBit>{}, topology::Ring{}, path, executor);
+  device_matches_host("ef-one-bit", compression::ErrorFeedback<compression::OneBit>{},
+                      topology::ParameterServer{.chunk_elements = 512}, path, executor);
+  device_matches_host("two-bit", compression::TwoBit{}, topology::ParameterServer{}, path, executor);
+  device_matches_host("random-k", compression::RandomK{},
+                      topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, path, executor);
 }
 
 }  // namespace
@@ -208,21 +219,53 @@ TEST_SUITE("cuda") {
 
   TEST_CASE("the exchange on the device (CudaStaged over Tcp and SharedMemory), serial: the host path's bits" *
             doctest::skip(no_device)) {
-    staged_matches_host(Executor::serial);
+    staged_matches_host(DevicePath::staged, Executor::serial);
   }
 
   TEST_CASE("the exchange on the device (CudaStaged over Tcp and SharedMemory), task graph: the host path's bits" *
             doctest::skip(no_device)) {
-    staged_matches_host(Executor::task_graph);
+    staged_matches_host(DevicePath::staged, Executor::task_graph);
+  }
+
+  TEST_CASE("processes on one GPU exchange through CUDA IPC (CudaStaged with ipc), serial: the host path's bits" *
+            doctest::skip(no_device)) {
+    staged_matches_host(DevicePath::ipc, Executor::serial);
+  }
+
+  TEST_CASE("processes on one GPU exchange through CUDA IPC (CudaStaged with ipc), task graph: the host path's bits" *
+            doctest::skip(no_device)) {
+    staged_matches_host(DevicePath::ipc, Executor::task_graph);
+  }
+
+  TEST_CASE("a rank without CudaStaged's ipc option is named at setup" * doctest::skip(no_device)) {
+    // Rank 0 asks for CUDA IPC, rank 1 does not: rank 0 must fail within its setup timeout with an
+    // Error that says the option must be alike; rank 1 goes on and fails once rank 0 is gone.
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
+      using Staged = transport::CudaStaged<transport::Tcp>;
+      Staged staged(transport::Tcp({.rank = rank, .world_size = 2, .master_port = port, .token = token,
+                                    .setup_timeout = 30s}),
+                    0, {.ipc = rank == 0, .setup_timeout = 3s});
+      run(std::move(staged), rank, true, compression::None{}, topology::Ring{}, f32_gradients());
+      return "finished";
+    });
+    CAPTURE(results[0].report);
+    CHECK(results[0].report.starts_with("error timeout"));
+    CHECK(results[0].report.find("ipc option must be on for every rank") != std::string::npos);
+    CHECK_FALSE(results[1].ok());
   }
 
   TEST_CASE("a rank that dies fails the others fast on the device path (CudaStaged over Tcp)" *
             doctest::skip(no_device)) {
     // Three processes, buckets on the GPU, ef-two-bit in small pieces; rank 2 dies after its
     // second synchronization. The others must fail with peer_failed naming it (a timeout would
-    // mean they waited out the 20 s instead, a send held back for its copy included).
-    for (const Executor executor : {Executor::serial, Executor::task_graph}) {
+    // mean they waited out the 20 s instead, a send held back for its copy or its acknowledgement
+    // included), through host mirrors and through CUDA IPC.
+    for (const Executor executor : {Executor::serial, Executor::task_graph})
+    for (const bool ipc : {false, true}) {
       CAPTURE(executor == Executor::serial ? "serial" : "task graph");
+      CAPTURE(ipc);
       const std::uint16_t port = test::free_port();
       const auto results = test::run_processes(3, [&](int rank) -> std::string {
         if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
@@ -230,7 +273,7 @@ TEST_SUITE("cuda") {
         Synchronizer<bucketing::FixedSize, compression::ErrorFeedback<compression::TwoBit>, topology::Ring, Staged> sync(
             Staged(transport::Tcp({.rank = rank, .world_size = 3, .master_port = port, .token = token,
                                    .setup_timeout = 30s}),
-                   0),
+                   0, {.ipc = ipc}),
             {.timeout = 20s, .executor = executor}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {},
             topology::Ring{.chunk_elements = 256});
         const std::vector<Gradient> layout = f32_gradients();

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include <fmt/format.h>
 
 #include "gradsync/error.hpp"
@@ -62,6 +64,40 @@ bool pin(void* host, std::size_t bytes) {
 
 void unpin(void* host) {
   if (cudaHostUnregister(host) != cudaSuccess) cudaGetLastError();
+}
+
+DeviceUuid device_uuid(int device_index) {
+  cudaDeviceProp properties{};
+  check(cudaGetDeviceProperties(&properties, device_index), "device uuid", 0, device_index);
+  DeviceUuid uuid;
+  static_assert(sizeof(properties.uuid.bytes) == sizeof(DeviceUuid));
+  std::memcpy(uuid.data(), properties.uuid.bytes, uuid.size());
+  return uuid;
+}
+
+IpcHandle ipc_handle(void* block, int device_index) {
+  static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(IpcHandle));
+  cudaIpcMemHandle_t handle{};
+  check(cudaSetDevice(device_index), "ipc handle", 0, device_index);
+  check(cudaIpcGetMemHandle(&handle, block), "ipc handle", 0, device_index);
+  IpcHandle bytes;
+  std::memcpy(bytes.data(), &handle, bytes.size());
+  return bytes;
+}
+
+void* open_ipc_handle(const IpcHandle& bytes, int device_index) {
+  cudaIpcMemHandle_t handle{};
+  std::memcpy(&handle, bytes.data(), bytes.size());
+  void* mapped = nullptr;
+  check(cudaSetDevice(device_index), "open ipc handle", 0, device_index);
+  check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess), "open ipc handle", 0, device_index);
+  return mapped;
+}
+
+void close_ipc_handle(void* mapped, int device_index) noexcept {
+  if (!mapped) return;
+  cudaSetDevice(device_index);
+  if (cudaIpcCloseMemHandle(mapped) != cudaSuccess) cudaGetLastError();
 }
 
 }  // namespace gradsync::cuda

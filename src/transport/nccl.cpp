@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "gradsync/cuda/memory.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/launch/environment.hpp"
 
@@ -24,8 +25,8 @@ namespace gradsync::transport {
 namespace {
 
 // The tag of the receive each rank keeps posted from every peer and nobody sends to: its failure
-// is how a peer's death shows (control bucket, an id no ControlMessage uses).
-constexpr std::uint64_t watch_tag = engine::make_tag(0, engine::control_bucket, 0x7ffffff0u);
+// is how a peer's death shows.
+constexpr std::uint64_t watch_tag = engine::control_tag(0, engine::ControlMessage::nccl_watch);
 
 bool control_message(std::uint64_t tag) { return ((tag >> 32) & 0xffffu) == engine::control_bucket; }
 
@@ -39,11 +40,11 @@ std::string nccl_error_text(ncclResult_t result) {
   return last && *last ? fmt::format("{} ({})", ncclGetErrorString(result), last) : std::string(ncclGetErrorString(result));
 }
 
-std::string uuid_text(const std::array<unsigned char, 16>& uuid) {
+std::string uuid_text(const cuda::DeviceUuid& uuid) {
   std::string s = "GPU-";
   for (std::size_t i = 0; i < uuid.size(); ++i) {
     if (i == 4 || i == 6 || i == 8 || i == 10) s += '-';
-    s += fmt::format("{:02x}", uuid[i]);
+    s += fmt::format("{:02x}", static_cast<unsigned>(uuid[i]));
   }
   return s;
 }
@@ -245,17 +246,14 @@ class NcclEngine {
 
   // Setup after TCP: UUIDs to rank 0, its verdict and the unique id back, then the communicator.
   void join() {
-    cudaDeviceProp properties{};
-    check_cuda(cudaGetDeviceProperties(&properties, device_), "setup");
-    std::array<unsigned char, 16> uuid{};
-    std::memcpy(uuid.data(), properties.uuid.bytes, uuid.size());
+    const cuda::DeviceUuid uuid = cuda::device_uuid(device_);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
-    const std::uint64_t uuid_tag = engine::make_tag(0, engine::control_bucket, 0x7ffffff1u);
-    const std::uint64_t verdict_tag = engine::make_tag(0, engine::control_bucket, 0x7ffffff2u);
+    const std::uint64_t uuid_tag = engine::control_tag(0, engine::ControlMessage::nccl_uuid);
+    const std::uint64_t verdict_tag = engine::control_tag(0, engine::ControlMessage::nccl_verdict);
     Verdict verdict;
     const auto verdict_bytes = std::as_writable_bytes(std::span(&verdict, 1));
     if (rank() == 0) {
-      std::vector<std::array<unsigned char, 16>> uuids(static_cast<std::size_t>(size()));
+      std::vector<cuda::DeviceUuid> uuids(static_cast<std::size_t>(size()));
       uuids[0] = uuid;
       std::vector<Tcp::Request> requests(static_cast<std::size_t>(size()));
       for (int peer = 1; peer < size(); ++peer)

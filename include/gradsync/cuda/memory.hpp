@@ -3,6 +3,7 @@
 // through host memory (library gradsync_cuda, src/cuda/memory.cpp; declared wherever gradsync was
 // built with CUDA, GRADSYNC_HAS_CUDA). Errors are gradsync::Error naming the operation.
 
+#include <array>
 #include <cstddef>
 
 namespace gradsync::cuda {
@@ -23,5 +24,18 @@ void free_on_device(void* p, int device_index) noexcept;
 // if the system refuses, which leaves the memory usable, only slower to copy.
 bool pin(void* host, std::size_t bytes);
 void unpin(void* host);
+
+// The UUID of CUDA device `device_index`, which names the physical GPU whatever the process's
+// CUDA_VISIBLE_DEVICES numbering: two processes see the same one exactly when they share a GPU.
+using DeviceUuid = std::array<std::byte, 16>;
+DeviceUuid device_uuid(int device_index);
+
+// CUDA IPC between processes that share a GPU: the handle of a block allocate_on_device() gave
+// (the whole cudaMalloc allocation), the block a peer's handle names mapped into this process
+// (another process's handle only: CUDA refuses one's own), and the end of that mapping.
+using IpcHandle = std::array<std::byte, 64>;
+IpcHandle ipc_handle(void* block, int device_index);
+void* open_ipc_handle(const IpcHandle& handle, int device_index);
+void close_ipc_handle(void* mapped, int device_index) noexcept;
 
 }  // namespace gradsync::cuda

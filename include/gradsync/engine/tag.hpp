@@ -19,6 +19,8 @@ inline constexpr std::size_t max_buckets = sparse_bucket;  // bucket ids 0..0xff
 // How many streams a PeerChannel has: ids ControlMessage::peer_tensors + 0 .. + 15.
 inline constexpr std::uint32_t peer_tensor_streams = 16;
 
+// Data message ids stay below 2^31 (schedule.hpp's ids count a bucket's pieces): bit 31 of a
+// tag is transport::CudaStaged's, for its acknowledgements of messages passed through CUDA IPC.
 constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, std::uint32_t message) noexcept {
   return ((iteration & 0xffffu) << 48) | (static_cast<std::uint64_t>(bucket & 0xffffu) << 32) | message;
 }
@@ -36,6 +38,10 @@ enum class ControlMessage : std::uint32_t {
   async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 5 (async/synchronizer.hpp)
   peer_tensors = 0x20000030u,  // PeerChannel's streams: ids + 0 .. + 15 (peer_channel.hpp)
   membership = 0x40000000u,    // whom each rank counts in its group, to every other member (raw text)
+  nccl_watch = 0x7ffffff0u,    // transport::Nccl: the receive from every peer that nobody sends to
+  nccl_uuid = 0x7ffffff1u,     // transport::Nccl setup: each rank's GPU, to rank 0
+  nccl_verdict = 0x7ffffff2u,  // transport::Nccl setup: rank 0's answer (ranks sharing a GPU, or the id)
+  cuda_ipc_identity = 0x7ffffff3u,  // transport::CudaStaged with ipc: each rank's GPU and process, to every peer
   coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
   coordinator_grant = 0x80000001u,   // coordinator -> rank
 };

@@ -17,17 +17,32 @@
 // next (the decode that reads it). Any other buffer (the control messages, in host memory) passes
 // through to X untouched; device memory that allocate() did not hand out is refused.
 //
+// With Options::ipc, peers that run in another process on the same GPU (the same device UUID;
+// learnt from every peer at construction) skip the host: X carries only a descriptor of where the
+// bytes lie in the sender's block (its CUDA IPC handle, an offset, a length), posted once the
+// encode that wrote them is done; the receiver maps that block once, queues a device-to-device
+// copy out of it on cuda_stream() and, once the copy is done, acknowledges it over X. A send
+// through IPC completes when its acknowledgement arrives, since the peer reads the sender's memory
+// until then. Acknowledgements go out as test(), wait() and post_deferred() find their copies done
+// (wait() first blocks for them all: a peer may be waiting for one before it sends what this rank
+// waits for). They travel on the message's tag with bit 31 set (engine/tag.hpp keeps data message
+// ids below it). Where every peer shares the GPU, blocks have no host mirrors.
+//
 // A send's device bytes must stay as they are until it completes (test or wait), as any
 // transport's; the schedules' `after` orders every write to a range behind the sends of it.
 //
 // Messages match by tag as X's do, so every topology runs over it, on either executor: the
 // serial one sees completions in test() and wait(), the task graph hears of them from X and calls
-// post_deferred() for the sends held back (DeferredSender, concepts.hpp). Failures, timeouts and a dead peer are X's; a send whose deferred post fails (its
-// copy, or X refusing it after an abort) throws that Error from its own test() or wait(). abort()
-// may come from any thread, as X's may: it only aborts X, and the posting thread meets it.
+// post_deferred() for the sends held back (DeferredSender, concepts.hpp). Failures, timeouts and a
+// dead peer are X's; a send whose deferred post fails (its copy, or X refusing it after an abort)
+// throws that Error from its own test() or wait(). abort() may come from any thread, as X's may:
+// it only aborts X, and the posting thread meets it.
 //
-//   using Staged = gradsync::transport::CudaStaged<gradsync::transport::Tcp>;
-//   Staged transport(gradsync::transport::Tcp::from_env(), local_rank % device_count);
+//   using Staged = gradsync::transport::CudaStaged<gradsync::transport::SharedMemory>;
+//   Staged transport(gradsync::transport::SharedMemory::from_env(), local_rank % device_count,
+//                    {.ipc = true});
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -35,8 +50,10 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -45,24 +62,67 @@
 #include "gradsync/concepts.hpp"
 #include "gradsync/cuda/codecs.hpp"
 #include "gradsync/cuda/memory.hpp"
+#include "gradsync/engine/tag.hpp"
 #include "gradsync/error.hpp"
 #include "gradsync/transport/tcp.hpp"
 
 namespace gradsync::transport {
 
+namespace detail {
+
+// What X carries for a message through CUDA IPC: where its bytes lie in the sender's block.
+struct IpcDescriptor {
+  static constexpr std::uint32_t current_version = 1;
+  std::uint32_t version = current_version;
+  std::uint32_t reserved = 0;
+  std::uint64_t generation = 0;     // which of the sender's allocate() calls made the block
+  std::uint64_t block_address = 0;  // its place and size in the sender's address space, so that
+  std::uint64_t block_bytes = 0;    // the receiver sees a new block take a freed one's place
+  std::uint64_t offset = 0;         // the message's bytes in the block
+  std::uint64_t bytes = 0;
+  cuda::IpcHandle handle{};
+};
+
+// What each rank tells every peer at construction with Options::ipc: the GPU it uses and which
+// process it is (a random number with the pid: pids repeat across containers, and a forked child
+// keeps its parent's statics).
+struct IpcIdentity {
+  static constexpr std::uint32_t current_version = 1;
+  std::uint32_t version = current_version;
+  std::uint32_t reserved = 0;
+  cuda::DeviceUuid device{};
+  std::int64_t pid = 0;
+  std::uint64_t nonce = 0;
+};
+
+inline std::uint64_t process_nonce() {
+  static const std::uint64_t nonce = (std::uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  return nonce;
+}
+
+}  // namespace detail
+
 template <TransportPolicy X>
 class CudaStaged {
  public:
+  struct Options {
+    // Peers in other processes on the same GPU exchange device bytes through CUDA IPC, device to
+    // device, instead of through the host mirrors. Every rank must set it alike: construction
+    // waits for each peer's identity. Off by default until it has run on a GPU (README).
+    bool ipc = false;
+    std::chrono::milliseconds setup_timeout = std::chrono::seconds(60);  // for the identities
+  };
+
   class Request {
    public:
     Request() = default;
     Request(const Request&) = delete;
     Request& operator=(const Request&) = delete;
     ~Request() {
-      if (waiting_in_) waiting_in_->forget(*this);
+      if (waiting_in_ || landing_in_) (waiting_in_ ? waiting_in_ : landing_in_)->forget(*this);
     }
     void report_to(CompletionSink* sink, std::uint64_t id) noexcept {
-      inner_.report_to(sink, id);
+      (ipc_ && !device_ ? ack_ : inner_).report_to(sink, id);
       sink_ = sink;
       sink_id_ = id;
     }
@@ -70,13 +130,20 @@ class CudaStaged {
    private:
     friend class CudaStaged;
     typename X::Request inner_;
-    std::byte* device_ = nullptr;  // a staged receive's destination; null otherwise
-    const std::byte* mirror_ = nullptr;
+    std::byte* device_ = nullptr;  // a receive's destination in a block; null otherwise
+    const std::byte* payload_ = nullptr;  // what X sends or receives into: the mirror, or descriptor_
     std::size_t size_ = 0;
     bool landed_ = false;  // its copy to the device is queued
-    // A staged send: its copy to the mirror, recorded after it; X's send is posted once it is done.
+    // A held send: recorded after what must finish before X may take it (the copy to the mirror,
+    // or the encode that wrote the bytes a peer on the same GPU reads).
     cuda::Event copied_;
+    // Through CUDA IPC: X carries descriptor_; a send completes with the peer's acknowledgement.
+    bool ipc_ = false;
+    detail::IpcDescriptor descriptor_;
+    typename X::Request ack_;
+    std::uint64_t ack_bytes_ = 0;
     CudaStaged* waiting_in_ = nullptr;  // while its copy is not done or its X send not posted
+    CudaStaged* landing_in_ = nullptr;  // a receive through CUDA IPC, until its copy is queued
     int peer_ = -1;
     std::uint64_t tag_ = 0;
     std::optional<Error> failure_;  // its deferred post failed: what test() and wait() throw
@@ -84,120 +151,153 @@ class CudaStaged {
     std::uint64_t sink_id_ = 0;
   };
 
-  // Device memory on CUDA device `device`; messages through `inner`.
-  CudaStaged(X inner, int device)
+  // Device memory on CUDA device `device`; messages through `inner`. With options.ipc, first
+  // learns from every peer which of them share the GPU (each must answer within setup_timeout).
+  CudaStaged(X inner, int device, Options options = {})
       : inner_(std::move(inner)),
         device_(device),
+        options_(options),
         stream_(std::make_unique<cuda::Stream>(device)),
-        copies_(std::make_unique<cuda::Stream>(device)) {}
-  CudaStaged(CudaStaged&& o) noexcept
-      : inner_(std::move(o.inner_)),
-        device_(o.device_),
-        stream_(std::move(o.stream_)),
-        copies_(std::move(o.copies_)),
-        blocks_(std::exchange(o.blocks_, {})),
-        unposted_(std::exchange(o.unposted_, {})) {
-    for (Request* r : unposted_) r->waiting_in_ = this;
+        copies_(std::make_unique<cuda::Stream>(device)) {
+    if (options_.ipc) find_peers_on_this_gpu();
   }
+  CudaStaged(CudaStaged&& o) noexcept : inner_(std::move(o.inner_)) { take(o); }
   CudaStaged& operator=(CudaStaged&& o) noexcept {
     if (this != &o) {
-      drop_unposted();
-      for (const Block& b : blocks_) release(b);
+      tear_down();
       inner_ = std::move(o.inner_);
-      device_ = o.device_;
-      stream_ = std::move(o.stream_);
-      copies_ = std::move(o.copies_);
-      blocks_ = std::exchange(o.blocks_, {});
-      unposted_ = std::exchange(o.unposted_, {});
-      for (Request* r : unposted_) r->waiting_in_ = this;
+      take(o);
     }
     return *this;
   }
-  ~CudaStaged() {
-    drop_unposted();
-    for (const Block& b : blocks_) release(b);
-  }
+  ~CudaStaged() { tear_down(); }
 
   int rank() const { return inner_.rank(); }
   int size() const { return inner_.size(); }
-  std::string describe() const { return fmt::format("cuda-staged({})", inner_.describe()); }
+  // The same on every rank that agrees on the options (the Synchronizer compares it).
+  std::string describe() const { return fmt::format("cuda-staged({}{})", inner_.describe(), options_.ipc ? ", ipc" : ""); }
   cuda::Stream& cuda_stream() noexcept { return *stream_; }
   X& inner() noexcept { return inner_; }
+  // How many peers this rank exchanges device bytes with through CUDA IPC.
+  int ipc_peers() const noexcept { return ipc_peers_; }
 
   void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
     if (r.waiting_in_)
       throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = "send"},
                   "request reused while its send still waits for its copy");
     r.device_ = nullptr;
+    r.ipc_ = false;
     r.failure_.reset();
-    const std::byte* mirror = staged(bytes, "send", peer);
-    if (!mirror) return inner_.send(r.inner_, peer, tag, bytes);
-    post_copied();
+    r.inner_.report_to(r.sink_, r.sink_id_);
+    const Block* block = block_of(bytes, "send", peer);
+    if (!block) return inner_.send(r.inner_, peer, tag, bytes);
+    progress();
     r.copied_.record(*stream_);  // the encode that wrote the bytes
+    if (through_ipc(peer)) {
+      check_tag(tag, "send", peer);
+      r.ipc_ = true;
+      r.descriptor_ = {.generation = block->generation,
+                       .block_address = reinterpret_cast<std::uintptr_t>(block->device),
+                       .block_bytes = block->bytes,
+                       .offset = static_cast<std::uint64_t>(bytes.data() - block->device),
+                       .bytes = bytes.size(),
+                       .handle = block->handle};
+      r.inner_.report_to(nullptr, 0);  // the acknowledgement completes it
+      r.ack_.report_to(r.sink_, r.sink_id_);
+      inner_.recv(r.ack_, peer, ack_tag(tag), std::as_writable_bytes(std::span(&r.ack_bytes_, 1)));
+      return hold(r, peer, tag, std::as_bytes(std::span(&r.descriptor_, 1)));
+    }
+    std::byte* mirror = mirror_of(*block, bytes.data(), "send", peer);
     r.copied_.order_before(*copies_);
-    cuda::copy(const_cast<std::byte*>(mirror), bytes.data(), bytes.size(), *copies_);
+    cuda::copy(mirror, bytes.data(), bytes.size(), *copies_);
     r.copied_.record(*copies_);
-    r.mirror_ = mirror;
-    r.size_ = bytes.size();
-    r.peer_ = peer;
-    r.tag_ = tag;
-    r.waiting_in_ = this;
-    unposted_.push_back(&r);
+    hold(r, peer, tag, {mirror, bytes.size()});
   }
 
   void recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
-    const std::byte* mirror = staged(bytes, "recv", peer);
-    r.device_ = mirror ? bytes.data() : nullptr;
-    if (!mirror) return inner_.recv(r.inner_, peer, tag, bytes);
-    r.mirror_ = mirror;
+    r.ipc_ = false;
+    r.failure_.reset();
+    r.inner_.report_to(r.sink_, r.sink_id_);
+    const Block* block = block_of(bytes, "recv", peer);
+    r.device_ = block ? bytes.data() : nullptr;
+    if (!block) return inner_.recv(r.inner_, peer, tag, bytes);
     r.size_ = bytes.size();
+    r.peer_ = peer;
+    r.tag_ = tag;
     r.landed_ = false;
-    inner_.recv(r.inner_, peer, tag, {const_cast<std::byte*>(mirror), bytes.size()});
+    if (through_ipc(peer)) {
+      check_tag(tag, "recv", peer);
+      r.ipc_ = true;
+      r.descriptor_.version = 0;  // what arrives must say its own
+      if (!r.landing_in_) ipc_receives_.push_back(&r);
+      r.landing_in_ = this;
+      return inner_.recv(r.inner_, peer, tag, std::as_writable_bytes(std::span(&r.descriptor_, 1)));
+    }
+    r.payload_ = mirror_of(*block, bytes.data(), "recv", peer);
+    inner_.recv(r.inner_, peer, tag, {const_cast<std::byte*>(r.payload_), bytes.size()});
   }
 
   bool test(Request& r) {
-    post_copied();
+    progress();
     if (r.failure_) throw *r.failure_;
-    if (r.waiting_in_ || !inner_.test(r.inner_)) return false;
-    land(r, r.size_);
+    if (!complete(r)) return false;
+    land(r, std::nullopt);
     return true;
   }
 
-  // Unless `r` is already complete, posts every send still waiting for its copy first: the peer
-  // may need one of them before it sends what `r` waits for. (The task graph waits only for what
-  // it has heard is complete, and should not stall on copies meanwhile.)
+  // Unless `r` is already complete, first posts every send still waiting for its copy and every
+  // acknowledgement still waiting for its copy: the peer may need one of them before it sends
+  // what `r` waits for. (The task graph waits only for what it has heard is complete, and should
+  // not stall on copies meanwhile.) With peers on this GPU it then looks after them until `r` is
+  // done rather than block in X: a peer's send through IPC completes only once this rank has
+  // taken the message (queued its copy) and acknowledged it, and the peer may need that before
+  // it sends what `r` waits for.
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
-    post_copied();
+    progress();
     if (r.failure_) throw *r.failure_;
-    if (r.waiting_in_ || !inner_.test(r.inner_)) {
-      post_copied(/*block=*/true);
+    if (!complete(r)) {
+      progress(/*block=*/true);
+      while (ipc_peers_ > 0 && !r.failure_ && !complete(r) && std::chrono::steady_clock::now() < deadline) {
+        land_arrived();
+        progress(/*block=*/true);
+        std::this_thread::sleep_for(std::chrono::microseconds(10));
+      }
       if (r.failure_) throw *r.failure_;
     }
     const std::size_t bytes = inner_.wait(r.inner_, deadline);
-    land(r, bytes);
-    return bytes;
+    if (r.ipc_ && !r.device_) {
+      inner_.wait(r.ack_, deadline);
+      return r.descriptor_.bytes;
+    }
+    return land(r, bytes);
   }
 
   // From any thread (X's abort is): the sends still waiting for their copies are left to the
   // thread that posts, which meets the abort when it hands them to X.
   void abort(const Error& cause) { inner_.abort(cause); }
 
-  // DeferredSender (concepts.hpp): hands X the sends whose copies are done; true while some are
-  // still waiting for theirs.
+  // DeferredSender (concepts.hpp): hands X the sends and acknowledgements whose copies are done;
+  // true while some are still held, or acknowledgements not yet sent.
   bool post_deferred() {
-    post_copied();
-    return !unposted_.empty();
+    progress();
+    return !unposted_.empty() || !waiting_acks_.empty() || !sent_acks_.empty();
   }
 
   std::span<std::byte> allocate(std::size_t bytes) {
-    Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, {}};
+    Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, false, 0, {}};
     try {
-      if constexpr (TransportAllocator<X>) {
-        b.host = inner_.allocate(bytes).data();
-      } else {
-        b.host = static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t{64}));
+      if (options_.ipc) {
+        b.generation = ++generations_;
+        b.handle = cuda::ipc_handle(b.device, device_);
       }
-      b.pinned = cuda::pin(b.host, bytes);
+      if (needs_mirrors()) {
+        if constexpr (TransportAllocator<X>) {
+          b.host = inner_.allocate(bytes).data();
+        } else {
+          b.host = static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t{64}));
+        }
+        b.pinned = cuda::pin(b.host, bytes);
+      }
     } catch (...) {
       cuda::free_on_device(b.device, device_);
       throw;
@@ -219,35 +319,135 @@ class CudaStaged {
  private:
   struct Block {
     std::byte* device;
-    std::byte* host;  // the mirror
+    std::byte* host;  // the mirror; null where every peer shares the GPU
     std::size_t bytes;
     bool pinned;
+    std::uint64_t generation;  // with ipc: which allocate() made it, and its CUDA IPC handle
+    cuda::IpcHandle handle;
   };
 
-  // The mirror of `bytes` if they lie in a block allocate() handed out; null for memory that is
-  // not the device's (passed through); an Error for device memory that is not a block's.
-  const std::byte* staged(std::span<const std::byte> bytes, const char* operation, int peer) const {
+  // A peer's block, mapped into this process through its CUDA IPC handle.
+  struct Mapping {
+    int peer;
+    std::uint64_t generation;
+    std::uint64_t address, bytes;  // where the block is in the peer's address space
+    std::byte* base;               // and in this one's
+  };
+
+  // The acknowledgement of a copy out of a peer's block, sent once the copy is done.
+  struct Ack {
+    typename X::Request request;
+    cuda::Event copied;
+    int peer = -1;
+    std::uint64_t tag = 0;
+    std::uint64_t bytes = 0;  // the message's length, its body
+  };
+
+  static constexpr std::uint64_t ack_bit = std::uint64_t{1} << 31;
+  static constexpr std::uint64_t ack_tag(std::uint64_t tag) noexcept { return tag | ack_bit; }
+
+  void check_tag(std::uint64_t tag, const char* operation, int peer) const {
+    if (tag & ack_bit)
+      throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = operation},
+                  fmt::format("{}: tag {:#x} has bit 31 set, which is kept for the acknowledgements of messages "
+                              "through CUDA IPC",
+                              describe(), tag));
+  }
+
+  bool through_ipc(int peer) const { return !through_ipc_.empty() && through_ipc_[static_cast<std::size_t>(peer)]; }
+  bool needs_mirrors() const { return ipc_peers_ < size() - 1; }
+
+  // Whether `r` is done: its held send posted, X done with it, a send through IPC acknowledged.
+  bool complete(Request& r) {
+    if (r.waiting_in_ || !inner_.test(r.inner_)) return false;
+    return !(r.ipc_ && !r.device_) || inner_.test(r.ack_);
+  }
+
+  // Tells every peer which GPU and process this rank is, hears the same from each, and routes
+  // through CUDA IPC those in another process on this GPU.
+  void find_peers_on_this_gpu() {
+    const detail::IpcIdentity mine{.device = cuda::device_uuid(device_), .pid = ::getpid(), .nonce = detail::process_nonce()};
+    const auto n = static_cast<std::size_t>(size());
+    std::vector<detail::IpcIdentity> theirs(n);
+    std::vector<typename X::Request> sends(n), receives(n);
+    const std::uint64_t tag = engine::control_tag(0, engine::ControlMessage::cuda_ipc_identity);
+    const auto deadline = std::chrono::steady_clock::now() + options_.setup_timeout;
+    int peer = 0;
+    try {
+      for (peer = 0; peer < size(); ++peer) {
+        if (peer == rank()) continue;
+        inner_.recv(receives[peer], peer, tag, std::as_writable_bytes(std::span(&theirs[peer], 1)));
+        inner_.send(sends[peer], peer, tag, std::as_bytes(std::span(&mine, 1)));
+      }
+      for (peer = 0; peer < size(); ++peer) {
+        if (peer == rank()) continue;
+        const std::size_t got = inner_.wait(receives[peer], deadline);
+        if (got != sizeof mine || theirs[peer].version != detail::IpcIdentity::current_version)
+          throw Error(ErrorKind::protocol, {}, fmt::format("an identity of {} bytes, version {}; expected {} bytes, version {}",
+                                                           got, theirs[peer].version, sizeof mine,
+                                                           detail::IpcIdentity::current_version));
+        inner_.wait(sends[peer], deadline);
+      }
+    } catch (const Error& e) {
+      for (int p = 0; p < size(); ++p)
+        if (p != rank()) withdraw(receives[p]), withdraw(sends[p]);
+      throw Error(e.kind(), {.rank = rank(), .peer = peer, .operation = "cuda ipc setup"},
+                  fmt::format("{} (CudaStaged's ipc option must be on for every rank alike)", e.detail()));
+    }
+    through_ipc_.assign(n, false);
+    for (std::size_t p = 0; p < n; ++p)
+      through_ipc_[p] = static_cast<int>(p) != rank() && theirs[p].device == mine.device &&
+                        (theirs[p].pid != mine.pid || theirs[p].nonce != mine.nonce);
+    ipc_peers_ = static_cast<int>(std::count(through_ipc_.begin(), through_ipc_.end(), true));
+  }
+
+  // The block `bytes` lie in, if allocate() handed it out; null for memory that is not the
+  // device's (passed through); an Error for device memory that is not a block's.
+  const Block* block_of(std::span<const std::byte> bytes, const char* operation, int peer) const {
     if (bytes.empty()) return nullptr;
     const std::byte* p = bytes.data();
     const auto it = std::upper_bound(blocks_.begin(), blocks_.end(), p,
                                      [](const std::byte* q, const Block& b) { return q < b.device; });
     if (it != blocks_.begin()) {
       const Block& b = *std::prev(it);
-      if (p >= b.device && p + bytes.size() <= b.device + b.bytes) return b.host + (p - b.device);
+      if (p >= b.device && p + bytes.size() <= b.device + b.bytes) return &b;
     }
     if (cuda::on_device(p, device_))
       throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = operation},
                   fmt::format("{}: a message of {} bytes in device memory that allocate() did not hand out; only "
-                              "its blocks have host mirrors to travel through",
+                              "its blocks can travel",
                               describe(), bytes.size()));
     return nullptr;
   }
 
-  // Gives X, in the order they were posted, the staged sends whose copies are done (copies on
-  // one stream finish in order); with `block`, all of them, each as soon as its copy is. A send
-  // that fails here (its copy, or X refusing it: after an abort, say) keeps its Error for its own
-  // test() or wait(), and completes: its CompletionSink is told, as X would tell it.
-  void post_copied(bool block = false) {
+  std::byte* mirror_of(const Block& b, const std::byte* p, const char* operation, int peer) const {
+    if (!b.host)  // only a message to itself could want one: no schedule sends one
+      throw Error(ErrorKind::internal, {.rank = rank(), .peer = peer, .operation = operation},
+                  fmt::format("{}: a message to a rank on this GPU in this process, which no mirror was made for",
+                              describe()));
+    return b.host + (p - b.device);
+  }
+
+  // Queues a send for X, which gets `payload` once r.copied_ is done.
+  void hold(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> payload) {
+    r.payload_ = payload.data();
+    r.size_ = payload.size();
+    r.peer_ = peer;
+    r.tag_ = tag;
+    r.waiting_in_ = this;
+    unposted_.push_back(&r);
+  }
+
+  void progress(bool block = false) {
+    post_held(block);
+    post_acks(block);
+  }
+
+  // Gives X, in the order they were posted, the held sends whose copies (or encodes) are done;
+  // with `block`, all of them, each as soon as it may go. A send that fails here (its copy, or X
+  // refusing it: after an abort, say) keeps its Error for its own test() or wait(), and
+  // completes: its CompletionSink is told, as X would tell it.
+  void post_held(bool block) {
     std::size_t posted = 0;
     while (posted < unposted_.size()) {
       Request& r = *unposted_[posted];
@@ -256,29 +456,156 @@ class CudaStaged {
         else if (!r.copied_.done()) break;
         ++posted;
         r.waiting_in_ = nullptr;
-        inner_.send(r.inner_, r.peer_, r.tag_, {r.mirror_, r.size_});
+        inner_.send(r.inner_, r.peer_, r.tag_, {r.payload_, r.size_});
       } catch (const Error& e) {
         if (r.waiting_in_) ++posted;  // its copy failed
         r.waiting_in_ = nullptr;
         r.failure_ = e.filled({.rank = rank(), .peer = r.peer_, .operation = "send"});
+        if (r.ipc_) {  // its acknowledgement will not come: only this failure is reported
+          r.ack_.report_to(nullptr, 0);
+          withdraw(r.ack_);
+        }
         if (r.sink_) r.sink_->completed(r.sink_id_);
       }
     }
     unposted_.erase(unposted_.begin(), unposted_.begin() + static_cast<std::ptrdiff_t>(posted));
   }
 
-  // A waiting send's request is going away (an exchange dropped after an error): never post it.
-  void forget(Request& r) noexcept {
-    r.waiting_in_ = nullptr;
-    std::erase(unposted_, &r);
+  // Sends the acknowledgements whose copies are done (in order: one stream), with `block` all of
+  // them, and retires those X has sent. One that fails to go throws here: this rank's copy or its
+  // transport failed. One that X fails later is the peer's to meet (it died, or aborted).
+  void post_acks(bool block) {
+    while (!waiting_acks_.empty()) {
+      Ack& a = *waiting_acks_.front();
+      if (!block && !a.copied.done()) break;
+      std::unique_ptr<Ack> ack = std::move(waiting_acks_.front());
+      waiting_acks_.erase(waiting_acks_.begin());
+      try {
+        if (block) a.copied.synchronize();
+        inner_.send(a.request, a.peer, a.tag, std::as_bytes(std::span(&a.bytes, 1)));
+      } catch (const Error& e) {
+        spare_acks_.push_back(std::move(ack));
+        throw e.filled({.rank = rank(), .peer = a.peer, .operation = "acknowledge a copy through cuda ipc"});
+      }
+      sent_acks_.push_back(std::move(ack));
+    }
+    std::erase_if(sent_acks_, [&](std::unique_ptr<Ack>& a) {
+      bool done = true;
+      try {
+        done = inner_.test(a->request);
+      } catch (const Error&) {
+      }
+      if (done) spare_acks_.push_back(std::move(a));
+      return done;
+    });
   }
 
-  // At the end: the waiting sends are never posted, and their copies finish before the mirrors
-  // may go.
-  void drop_unposted() noexcept {
-    for (Request* r : unposted_) r->waiting_in_ = nullptr;
-    unposted_.clear();
-    finish_streams();
+  // An operation of X's that no one will wait for: withdrawn (a past deadline does that), unless
+  // already over.
+  void withdraw(typename X::Request& request) noexcept {
+    try {
+      inner_.wait(request, std::chrono::steady_clock::time_point{});
+    } catch (...) {
+    }
+  }
+
+  // A request this transport keeps a pointer to is going away (an exchange dropped after an
+  // error): a held send is never posted, a receive never landed.
+  void forget(Request& r) noexcept {
+    if (r.waiting_in_ && r.ipc_) withdraw(r.ack_);
+    r.waiting_in_ = nullptr;
+    r.landing_in_ = nullptr;
+    std::erase(unposted_, &r);
+    std::erase(ipc_receives_, &r);
+  }
+
+  // Lands the receives through IPC whose descriptors have arrived, which queues their copies and
+  // so their acknowledgements. One that fails keeps its Error for its own test() or wait().
+  void land_arrived() {
+    for (std::size_t i = 0; i < ipc_receives_.size();) {
+      Request& r = *ipc_receives_[i];
+      try {
+        if (!inner_.test(r.inner_)) {
+          ++i;
+          continue;
+        }
+        land(r, std::nullopt);  // takes it off the list
+      } catch (const Error& e) {
+        if (r.landing_in_) forget(r);
+        r.failure_ = e;  // X's own failure, which its test() would throw anyway, or the landing's
+      }
+    }
+  }
+
+  // A finished receive into a block: its bytes to the device, queued on the stream once; returns
+  // the message's length. `arrived`: what X received, where known (wait() says, test() does not).
+  std::size_t land(Request& r, std::optional<std::size_t> arrived) {
+    if (!r.device_) return arrived.value_or(0);
+    if (r.ipc_) {
+      if (!r.landed_) {
+        r.landing_in_ = nullptr;
+        std::erase(ipc_receives_, &r);
+        copy_from_peer(r, arrived);
+      }
+      return r.descriptor_.bytes;
+    }
+    if (!r.landed_) cuda::copy(r.device_, r.payload_, arrived.value_or(r.size_), *stream_);
+    r.landed_ = true;
+    return arrived.value_or(r.size_);
+  }
+
+  // A descriptor arrived: the bytes it names, device to device out of the peer's block, then
+  // (once copied) the acknowledgement that frees the peer's send.
+  void copy_from_peer(Request& r, std::optional<std::size_t> arrived) {
+    const detail::IpcDescriptor& d = r.descriptor_;
+    const ErrorContext here{.rank = rank(), .peer = r.peer_, .operation = "recv through cuda ipc"};
+    if (arrived.value_or(sizeof d) != sizeof d || d.version != detail::IpcDescriptor::current_version)
+      throw Error(ErrorKind::protocol, here,
+                  fmt::format("{}: a descriptor of {} bytes, version {}; expected {} bytes, version {}", describe(),
+                              arrived.value_or(sizeof d), d.version, sizeof d, detail::IpcDescriptor::current_version));
+    if (d.bytes > r.size_ || d.offset > d.block_bytes || d.bytes > d.block_bytes - d.offset)
+      throw Error(ErrorKind::protocol, here,
+                  fmt::format("{}: a message of {} bytes at {} of a block of {}, for a receive of {} bytes", describe(),
+                              d.bytes, d.offset, d.block_bytes, r.size_));
+    try {
+      cuda::copy(r.device_, mapped(r.peer_, d) + d.offset, d.bytes, *stream_);
+    } catch (const Error& e) {
+      throw e.filled(here);
+    }
+    r.landed_ = true;
+    std::unique_ptr<Ack> ack;
+    if (spare_acks_.empty()) {
+      ack = std::make_unique<Ack>();
+    } else {
+      ack = std::move(spare_acks_.back());
+      spare_acks_.pop_back();
+    }
+    ack->copied.record(*stream_);
+    ack->peer = r.peer_;
+    ack->tag = ack_tag(r.tag_);
+    ack->bytes = d.bytes;
+    waiting_acks_.push_back(std::move(ack));
+  }
+
+  // The peer's block a descriptor names, mapped here (once per block). A block of the same peer
+  // that overlaps it in the peer's address space was freed, so its mapping goes: nothing still
+  // reads it, since the peer freed it only after every send from it was acknowledged.
+  const std::byte* mapped(int peer, const detail::IpcDescriptor& d) {
+    const auto key = [](const Mapping& m) { return std::pair(m.peer, m.generation); };
+    auto it = std::lower_bound(mappings_.begin(), mappings_.end(), std::pair(peer, d.generation),
+                               [&](const Mapping& m, const auto& k) { return key(m) < k; });
+    if (it != mappings_.end() && key(*it) == std::pair(peer, d.generation)) return it->base;
+    std::erase_if(mappings_, [&](const Mapping& m) {
+      const bool stale = m.peer == peer && m.address < d.block_address + d.block_bytes && d.block_address < m.address + m.bytes;
+      if (stale) cuda::close_ipc_handle(m.base, device_);
+      return stale;
+    });
+    const Mapping m{peer, d.generation, d.block_address, d.block_bytes,
+                    static_cast<std::byte*>(cuda::open_ipc_handle(d.handle, device_))};
+    mappings_.insert(std::upper_bound(mappings_.begin(), mappings_.end(), m,
+                                      [&](const Mapping& x, const Mapping& y) { return key(x) < key(y); }),
+                     m);
+    return m.base;
   }
 
   // Waits for every copy queued on either stream, whatever became of them (after a failure, the
@@ -293,26 +620,77 @@ class CudaStaged {
     }
   }
 
-  // A finished staged receive: its bytes to the device, queued on the stream once.
-  void land(Request& r, std::size_t bytes) {
-    if (!r.device_ || r.landed_) return;
-    cuda::copy(r.device_, r.mirror_, bytes, *stream_);
-    r.landed_ = true;
+  // At the end: held sends are never posted (nor their acknowledgements awaited), the copies on
+  // both streams finish before the mirrors and the peers' blocks may go, acknowledgements already
+  // with X get a second to leave, and the rest is unmapped and freed.
+  void tear_down() noexcept {
+    for (Request* r : unposted_) {
+      r->waiting_in_ = nullptr;
+      if (r->ipc_) withdraw(r->ack_);
+    }
+    unposted_.clear();
+    for (Request* r : ipc_receives_) r->landing_in_ = nullptr;
+    ipc_receives_.clear();
+    finish_streams();
+    waiting_acks_.clear();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (std::unique_ptr<Ack>& a : sent_acks_) {
+      try {
+        inner_.wait(a->request, deadline);
+      } catch (...) {
+      }
+    }
+    sent_acks_.clear();
+    for (const Mapping& m : mappings_) cuda::close_ipc_handle(m.base, device_);
+    mappings_.clear();
+    for (const Block& b : blocks_) release(b);
+    blocks_.clear();
+  }
+
+  // Everything but X from a transport being moved.
+  void take(CudaStaged& o) noexcept {
+    device_ = o.device_;
+    options_ = o.options_;
+    stream_ = std::move(o.stream_);
+    copies_ = std::move(o.copies_);
+    blocks_ = std::exchange(o.blocks_, {});
+    unposted_ = std::exchange(o.unposted_, {});
+    ipc_receives_ = std::exchange(o.ipc_receives_, {});
+    waiting_acks_ = std::exchange(o.waiting_acks_, {});
+    sent_acks_ = std::exchange(o.sent_acks_, {});
+    spare_acks_ = std::exchange(o.spare_acks_, {});
+    mappings_ = std::exchange(o.mappings_, {});
+    through_ipc_ = std::exchange(o.through_ipc_, {});
+    ipc_peers_ = o.ipc_peers_;
+    generations_ = o.generations_;
+    for (Request* r : unposted_) r->waiting_in_ = this;
+    for (Request* r : ipc_receives_) r->landing_in_ = this;
   }
 
   void release(const Block& b) noexcept {
-    if (b.pinned) cuda::unpin(b.host);
-    if constexpr (TransportAllocator<X>) inner_.deallocate({b.host, b.bytes});
-    else ::operator delete(b.host, std::align_val_t{64});
+    if (b.host) {
+      if (b.pinned) cuda::unpin(b.host);
+      if constexpr (TransportAllocator<X>) inner_.deallocate({b.host, b.bytes});
+      else ::operator delete(b.host, std::align_val_t{64});
+    }
     cuda::free_on_device(b.device, device_);
   }
 
   X inner_;
   int device_;
+  Options options_;
   std::unique_ptr<cuda::Stream> stream_;
   std::unique_ptr<cuda::Stream> copies_;  // sends' copies to their mirrors
   std::vector<Block> blocks_;  // by device address
-  std::vector<Request*> unposted_;  // staged sends not yet given to X, in the order they were posted
+  std::vector<Request*> unposted_;  // held sends not yet given to X, in the order they were posted
+  std::vector<Request*> ipc_receives_;  // receives through IPC not yet landed
+  std::vector<std::unique_ptr<Ack>> waiting_acks_;  // for their copies, in the order queued
+  std::vector<std::unique_ptr<Ack>> sent_acks_;     // with X, until it has sent them
+  std::vector<std::unique_ptr<Ack>> spare_acks_;    // for the next ones: no allocation per step
+  std::vector<Mapping> mappings_;  // by (peer, generation)
+  std::vector<bool> through_ipc_;  // by peer; empty without ipc
+  int ipc_peers_ = 0;
+  std::uint64_t generations_ = 0;
 };
 
 static_assert(DeviceTransport<CudaStaged<Tcp>> && DeferredSender<CudaStaged<Tcp>>);
