@@ -13,15 +13,18 @@
 // copies are done, every wait() posts them all, blocking on each copy in turn (copies wait for
 // nothing but queued kernels, so this cannot hang on a peer, and the first pieces travel while
 // later ones are still copied). A receive lands in the mirror; once X reports it complete (test
-// or wait), a copy to the device is queued on cuda_stream(), ahead of whatever the caller queues
-// next (the decode that reads it). Any other buffer (the control messages, in host memory) passes
+// or wait), its copy to the device is queued on a third stream, behind only the kernels queued
+// before the receive was posted (which may still use its range), and cuda_stream() waits for it
+// from then on (the decode that reads it): kernels queued meanwhile, other buckets' encodes,
+// neither delay the copy nor wait for it. Any other buffer (the control messages, in host memory) passes
 // through to X untouched; device memory that allocate() did not hand out is refused.
 //
 // With Options::ipc, peers that run in another process on the same GPU (the same device UUID;
 // learnt from every peer at construction) skip the host: X carries only a descriptor of where the
 // bytes lie in the sender's block (its CUDA IPC handle, an offset, a length), posted once the
 // encode that wrote them is done; the receiver maps that block once, queues a device-to-device
-// copy out of it on cuda_stream() and, once the copy is done, acknowledges it over X. A send
+// copy out of it as it would a copy from its mirror and, once the copy is done, acknowledges it
+// over X. A send
 // through IPC completes when its acknowledgement arrives, since the peer reads the sender's memory
 // until then. Acknowledgements go out as test(), wait() and post_deferred() find their copies done
 // (wait() first blocks for them all: a peer may be waiting for one before it sends what this rank
@@ -135,7 +138,8 @@ class CudaStaged {
     std::size_t size_ = 0;
     bool landed_ = false;  // its copy to the device is queued
     // A held send: recorded after what must finish before X may take it (the copy to the mirror,
-    // or the encode that wrote the bytes a peer on the same GPU reads).
+    // or the encode that wrote the bytes a peer on the same GPU reads). A receive into a block:
+    // recorded when posted (the kernels that may still use its range), then after its copy.
     cuda::Event copied_;
     // Through CUDA IPC: X carries descriptor_; a send completes with the peer's acknowledgement.
     bool ipc_ = false;
@@ -158,7 +162,8 @@ class CudaStaged {
         device_(device),
         options_(options),
         stream_(std::make_unique<cuda::Stream>(device)),
-        copies_(std::make_unique<cuda::Stream>(device)) {
+        copies_(std::make_unique<cuda::Stream>(device)),
+        landings_(std::make_unique<cuda::Stream>(device)) {
     if (options_.ipc) find_peers_on_this_gpu();
   }
   CudaStaged(CudaStaged&& o) noexcept : inner_(std::move(o.inner_)) { take(o); }
@@ -225,6 +230,7 @@ class CudaStaged {
     r.peer_ = peer;
     r.tag_ = tag;
     r.landed_ = false;
+    r.copied_.record(*stream_);  // what its copy must wait for
     if (through_ipc(peer)) {
       check_tag(tag, "recv", peer);
       r.ipc_ = true;
@@ -549,9 +555,18 @@ class CudaStaged {
       }
       return r.descriptor_.bytes;
     }
-    if (!r.landed_) cuda::copy(r.device_, r.payload_, arrived.value_or(r.size_), *stream_);
+    if (!r.landed_) copy_in(r, r.payload_, arrived.value_or(r.size_));
     r.landed_ = true;
     return arrived.value_or(r.size_);
+  }
+
+  // A receive's bytes into its range, on the landing stream behind the kernels queued before the
+  // receive was posted; the compute stream waits for the copy, r.copied_ marks it.
+  void copy_in(Request& r, const std::byte* from, std::size_t bytes) {
+    r.copied_.order_before(*landings_);
+    cuda::copy(r.device_, from, bytes, *landings_);
+    r.copied_.record(*landings_);
+    r.copied_.order_before(*stream_);
   }
 
   // A descriptor arrived: the bytes it names, device to device out of the peer's block, then
@@ -568,7 +583,7 @@ class CudaStaged {
                   fmt::format("{}: a message of {} bytes at {} of a block of {}, for a receive of {} bytes", describe(),
                               d.bytes, d.offset, d.block_bytes, r.size_));
     try {
-      cuda::copy(r.device_, mapped(r.peer_, d) + d.offset, d.bytes, *stream_);
+      copy_in(r, mapped(r.peer_, d) + d.offset, d.bytes);
     } catch (const Error& e) {
       throw e.filled(here);
     }
@@ -580,7 +595,7 @@ class CudaStaged {
       ack = std::move(spare_acks_.back());
       spare_acks_.pop_back();
     }
-    ack->copied.record(*stream_);
+    ack->copied.record(*landings_);
     ack->peer = r.peer_;
     ack->tag = ack_tag(r.tag_);
     ack->bytes = d.bytes;
@@ -608,10 +623,10 @@ class CudaStaged {
     return m.base;
   }
 
-  // Waits for every copy queued on either stream, whatever became of them (after a failure, the
+  // Waits for everything queued on its three streams, whatever became of it (after a failure, the
   // sends held back and the receives landing may still be copying).
   void finish_streams() noexcept {
-    for (cuda::Stream* s : {stream_.get(), copies_.get()}) {
+    for (cuda::Stream* s : {stream_.get(), copies_.get(), landings_.get()}) {
       if (!s) continue;
       try {
         s->synchronize();
@@ -653,6 +668,7 @@ class CudaStaged {
     options_ = o.options_;
     stream_ = std::move(o.stream_);
     copies_ = std::move(o.copies_);
+    landings_ = std::move(o.landings_);
     blocks_ = std::exchange(o.blocks_, {});
     unposted_ = std::exchange(o.unposted_, {});
     ipc_receives_ = std::exchange(o.ipc_receives_, {});
@@ -681,6 +697,7 @@ class CudaStaged {
   Options options_;
   std::unique_ptr<cuda::Stream> stream_;
   std::unique_ptr<cuda::Stream> copies_;  // sends' copies to their mirrors
+  std::unique_ptr<cuda::Stream> landings_;  // receives' copies to their ranges
   std::vector<Block> blocks_;  // by device address
   std::vector<Request*> unposted_;  // held sends not yet given to X, in the order they were posted
   std::vector<Request*> ipc_receives_;  // receives through IPC not yet landed
