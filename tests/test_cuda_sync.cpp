@@ -3,7 +3,7 @@
 // memory give, for f32, f64, f16 and bf16 gradients, several codecs and every topology, and the
 // same bits on every rank; and so does the exchange on the device (transport::CudaStaged: buckets
 // on the GPU, the codecs as kernels) for f32, f16 and bf16 gradients, through host mirrors or,
-// between processes on the one GPU, through CUDA IPC. Skipped, with the reason printed, where no
+// between processes on the one GPU over SharedMemory, through CUDA IPC. Skipped, with the reason printed, where no
 // CUDA device is present.
 //
 // The test process itself never touches CUDA, since a forked child cannot use a context its
@@ -156,7 +156,8 @@ void device_matches_host(const std::string& what, const C& codec, const T& topol
             if (staged && on_device) {
               transport::CudaStaged<decltype(transport)> device(std::move(transport), 0,
                                                                 {.ipc = path == DevicePath::ipc});
-              if (device.ipc_peers() != (path == DevicePath::ipc ? n - 1 : 0))
+              // Tcp holds a message behind an unmatched one, so it stages even with ipc on.
+              if (device.ipc_peers() != (path == DevicePath::ipc && shared_memory ? n - 1 : 0))
                 throw std::runtime_error(fmt::format("{} peers through CUDA IPC", device.ipc_peers()));
               return run(std::move(device), rank, true, codec, topology, layout, executor);
             }
@@ -196,6 +197,35 @@ void staged_matches_host(DevicePath path, Executor executor) {
   device_matches_host("two-bit", compression::TwoBit{}, topology::ParameterServer{}, path, executor);
   device_matches_host("random-k", compression::RandomK{},
                       topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, path, executor);
+}
+
+// Rank `rank` of three synchronizes ef-two-bit device gradients over CudaStaged<X>; rank 2 dies
+// (exit status 3) at its third iteration. Returns "finished" if the others somehow get through.
+template <class X>
+std::string die_at_iteration_two(X transport, int rank, Executor executor, bool ipc) {
+  using Staged = transport::CudaStaged<X>;
+  Staged staged(std::move(transport), 0, {.ipc = ipc});
+  if (ipc && staged.ipc_peers() != 2) return fmt::format("{} peers through CUDA IPC", staged.ipc_peers());
+  Synchronizer<bucketing::FixedSize, compression::ErrorFeedback<compression::TwoBit>, topology::Ring, Staged> sync(
+      std::move(staged), {.timeout = 20s, .executor = executor}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {},
+      topology::Ring{.chunk_elements = 256});
+  const std::vector<Gradient> layout = f32_gradients();
+  std::vector<void*> device(layout.size(), nullptr);
+  for (std::size_t g = 0; g < layout.size(); ++g) {
+    if (cudaMalloc(&device[g], layout[g].count * sizeof(float)) != cudaSuccess) return "cudaMalloc failed";
+    sync.add("g" + std::to_string(g), view(std::span(static_cast<float*>(device[g]), layout[g].count), Device::cuda(0)));
+  }
+  for (int iteration = 0; iteration < 5; ++iteration) {
+    if (rank == 2 && iteration == 2) ::_exit(3);
+    for (std::size_t g = 0; g < layout.size(); ++g) {
+      const std::vector<std::byte> values = input(layout[g], rank, iteration, g);
+      if (cudaMemcpy(device[g], values.data(), values.size(), cudaMemcpyHostToDevice) != cudaSuccess)
+        return "cudaMemcpy failed";
+      sync.ready(static_cast<GradId>(g));
+    }
+    sync.wait();
+  }
+  return "finished";
 }
 
 }  // namespace
@@ -256,54 +286,37 @@ TEST_SUITE("cuda") {
     CHECK_FALSE(results[1].ok());
   }
 
-  TEST_CASE("a rank that dies fails the others fast on the device path (CudaStaged over Tcp)" *
-            doctest::skip(no_device)) {
+  TEST_CASE("a rank that dies fails the others fast on the device path (CudaStaged)" * doctest::skip(no_device)) {
     // Three processes, buckets on the GPU, ef-two-bit in small pieces; rank 2 dies after its
     // second synchronization. The others must fail with peer_failed naming it (a timeout would
     // mean they waited out the 20 s instead, a send held back for its copy or its acknowledgement
-    // included), through host mirrors and through CUDA IPC.
+    // included): through host mirrors over Tcp, and through CUDA IPC over SharedMemory.
     for (const Executor executor : {Executor::serial, Executor::task_graph})
-    for (const bool ipc : {false, true}) {
-      CAPTURE(executor == Executor::serial ? "serial" : "task graph");
-      CAPTURE(ipc);
-      const std::uint16_t port = test::free_port();
-      const auto results = test::run_processes(3, [&](int rank) -> std::string {
-        if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
-        using Staged = transport::CudaStaged<transport::Tcp>;
-        Synchronizer<bucketing::FixedSize, compression::ErrorFeedback<compression::TwoBit>, topology::Ring, Staged> sync(
-            Staged(transport::Tcp({.rank = rank, .world_size = 3, .master_port = port, .token = token,
-                                   .setup_timeout = 30s}),
-                   0, {.ipc = ipc}),
-            {.timeout = 20s, .executor = executor}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {},
-            topology::Ring{.chunk_elements = 256});
-        const std::vector<Gradient> layout = f32_gradients();
-        std::vector<void*> device(layout.size(), nullptr);
-        for (std::size_t g = 0; g < layout.size(); ++g) {
-          if (cudaMalloc(&device[g], layout[g].count * sizeof(float)) != cudaSuccess) return "cudaMalloc failed";
-          sync.add("g" + std::to_string(g), view(std::span(static_cast<float*>(device[g]), layout[g].count), Device::cuda(0)));
+      for (const bool ipc : {false, true}) {
+        CAPTURE(executor == Executor::serial ? "serial" : "task graph");
+        CAPTURE(ipc);
+        const std::uint16_t port = test::free_port();
+        const std::string job = fmt::format("cuda-sync-dies-{}-{}", ::getpid(), std::random_device{}());
+        const auto results = test::run_processes(3, [&](int rank) -> std::string {
+          if (cudaSetDevice(0) != cudaSuccess) return "cudaSetDevice failed";
+          if (ipc)
+            return die_at_iteration_two(transport::SharedMemory({.local_rank = rank, .local_size = 3, .job = job,
+                                                                 .token = token, .setup_timeout = 30s}),
+                                        rank, executor, true);
+          return die_at_iteration_two(transport::Tcp({.rank = rank, .world_size = 3, .master_port = port,
+                                                      .token = token, .setup_timeout = 30s}),
+                                      rank, executor, false);
+        });
+        CHECK(WIFEXITED(results[2].status));
+        CHECK(WEXITSTATUS(results[2].status) == 3);
+        for (int r : {0, 1}) {
+          const std::string& report = results[static_cast<std::size_t>(r)].report;
+          CAPTURE(r);
+          CAPTURE(report);
+          CHECK(report.starts_with("error peer failed"));
+          CHECK(report.find("peer 2") != std::string::npos);
         }
-        for (int iteration = 0; iteration < 5; ++iteration) {
-          if (rank == 2 && iteration == 2) ::_exit(3);
-          for (std::size_t g = 0; g < layout.size(); ++g) {
-            const std::vector<std::byte> values = input(layout[g], rank, iteration, g);
-            if (cudaMemcpy(device[g], values.data(), values.size(), cudaMemcpyHostToDevice) != cudaSuccess)
-              return "cudaMemcpy failed";
-            sync.ready(static_cast<GradId>(g));
-          }
-          sync.wait();
-        }
-        return "finished";
-      });
-      CHECK(WIFEXITED(results[2].status));
-      CHECK(WEXITSTATUS(results[2].status) == 3);
-      for (int r : {0, 1}) {
-        const std::string& report = results[static_cast<std::size_t>(r)].report;
-        CAPTURE(r);
-        CAPTURE(report);
-        CHECK(report.starts_with("error peer failed"));
-        CHECK(report.find("peer 2") != std::string::npos);
       }
-    }
   }
 
   TEST_CASE("a gradient the device does not hold is refused at add()" * doctest::skip(no_device)) {

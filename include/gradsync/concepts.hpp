@@ -213,6 +213,12 @@ concept FlatAllreduceTopology = TopologyPolicy<T> && requires { requires T::flat
 //                             values' bytes) says so (SharedMemory: values in its arena; Routed:
 //                             from a rank of this machine). The executors use it where a schedule
 //                             receives plain values only to add them (engine/exchange.hpp).
+//   Optional: passes_unmatched(peer) -> bool
+//                             true where a message between this rank and `peer` that no receive
+//                             matches yet holds back no later message between them (SharedMemory:
+//                             it waits in the mailbox; Routed: within the machine). Tcp stops
+//                             reading a socket at such a message, so it does not say so.
+//                             transport::CudaStaged's CUDA IPC needs it (transport/cuda_ipc.hpp).
 template <class X>
 concept TransportPolicy = std::movable<X> &&
     requires(X& x, const X& cx, typename X::Request& req, int peer, std::uint64_t tag,

@@ -42,6 +42,7 @@ enum class ControlMessage : std::uint32_t {
   nccl_uuid = 0x7ffffff1u,     // transport::Nccl setup: each rank's GPU, to rank 0
   nccl_verdict = 0x7ffffff2u,  // transport::Nccl setup: rank 0's answer (ranks sharing a GPU, or the id)
   cuda_ipc_identity = 0x7ffffff3u,  // transport::CudaStaged with ipc: each rank's GPU and process, to every peer
+  cuda_ipc_notice = 0x7ffffff4u,    // ... notices about blocks peers may have mapped, numbered per pair (cuda_ipc.hpp)
   coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
   coordinator_grant = 0x80000001u,   // coordinator -> rank
 };

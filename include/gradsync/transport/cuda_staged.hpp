@@ -16,20 +16,21 @@
 // or wait), its copy to the device is queued on a third stream, behind only the kernels queued
 // before the receive was posted (which may still use its range), and cuda_stream() waits for it
 // from then on (the decode that reads it): kernels queued meanwhile, other buckets' encodes,
-// neither delay the copy nor wait for it. Any other buffer (the control messages, in host memory) passes
-// through to X untouched; device memory that allocate() did not hand out is refused.
+// neither delay the copy nor wait for it. Any other buffer (the control messages, in host
+// memory) passes through to X untouched; device memory that allocate() did not hand out is
+// refused.
 //
-// With Options::ipc, peers that run in another process on the same GPU (the same device UUID;
-// learnt from every peer at construction) skip the host: X carries only a descriptor of where the
-// bytes lie in the sender's block (its CUDA IPC handle, an offset, a length), posted once the
-// encode that wrote them is done; the receiver maps that block once, queues a device-to-device
-// copy out of it as it would a copy from its mirror and, once the copy is done, acknowledges it
-// over X. A send
-// through IPC completes when its acknowledgement arrives, since the peer reads the sender's memory
-// until then. Acknowledgements go out as test(), wait() and post_deferred() find their copies done
-// (wait() first blocks for them all: a peer may be waiting for one before it sends what this rank
-// waits for). They travel on the message's tag with bit 31 set (engine/tag.hpp keeps data message
-// ids below it). Where every peer shares the GPU, blocks have no host mirrors.
+// With Options::ipc, peers in another process on the same GPU that X reaches without holding
+// messages behind an unmatched one (SharedMemory, Routed within the machine; cuda_ipc.hpp says
+// why) skip the host. X carries only a descriptor of where the bytes lie in the sender's block
+// (its CUDA IPC handle, an offset, a length), posted once the encode that wrote them is done. The
+// receiver maps that block once, copies out of it device to device as it would from its mirror,
+// waits for that copy and acknowledges it over X, on the message's tag with bit 31 set
+// (engine/tag.hpp keeps data message ids below it). A send through IPC completes with its
+// acknowledgement, since the peer reads the sender's memory until then; so while one of its
+// wait()s is pending, a rank also takes the messages its peers on the GPU have sent it and
+// acknowledges them (a peer may need that before it sends what this rank waits for). Where every
+// peer shares the GPU, blocks have no host mirrors.
 //
 // A send's device bytes must stay as they are until it completes (test or wait), as any
 // transport's; the schedules' `after` orders every write to a range behind the sends of it.
@@ -45,15 +46,12 @@
 //   Staged transport(gradsync::transport::SharedMemory::from_env(), local_rank % device_count,
 //                    {.ipc = true});
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <new>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <thread>
@@ -65,45 +63,11 @@
 #include "gradsync/concepts.hpp"
 #include "gradsync/cuda/codecs.hpp"
 #include "gradsync/cuda/memory.hpp"
-#include "gradsync/engine/tag.hpp"
 #include "gradsync/error.hpp"
+#include "gradsync/transport/cuda_ipc.hpp"
 #include "gradsync/transport/tcp.hpp"
 
 namespace gradsync::transport {
-
-namespace detail {
-
-// What X carries for a message through CUDA IPC: where its bytes lie in the sender's block.
-struct IpcDescriptor {
-  static constexpr std::uint32_t current_version = 1;
-  std::uint32_t version = current_version;
-  std::uint32_t reserved = 0;
-  std::uint64_t generation = 0;     // which of the sender's allocate() calls made the block
-  std::uint64_t block_address = 0;  // its place and size in the sender's address space, so that
-  std::uint64_t block_bytes = 0;    // the receiver sees a new block take a freed one's place
-  std::uint64_t offset = 0;         // the message's bytes in the block
-  std::uint64_t bytes = 0;
-  cuda::IpcHandle handle{};
-};
-
-// What each rank tells every peer at construction with Options::ipc: the GPU it uses and which
-// process it is (a random number with the pid: pids repeat across containers, and a forked child
-// keeps its parent's statics).
-struct IpcIdentity {
-  static constexpr std::uint32_t current_version = 1;
-  std::uint32_t version = current_version;
-  std::uint32_t reserved = 0;
-  cuda::DeviceUuid device{};
-  std::int64_t pid = 0;
-  std::uint64_t nonce = 0;
-};
-
-inline std::uint64_t process_nonce() {
-  static const std::uint64_t nonce = (std::uint64_t{std::random_device{}()} << 32) | std::random_device{}();
-  return nonce;
-}
-
-}  // namespace detail
 
 template <TransportPolicy X>
 class CudaStaged {
@@ -113,7 +77,9 @@ class CudaStaged {
     // device, instead of through the host mirrors. Every rank must set it alike: construction
     // waits for each peer's identity. Off by default until it has run on a GPU (README).
     bool ipc = false;
-    std::chrono::milliseconds setup_timeout = std::chrono::seconds(60);  // for the identities
+    // For the identities at construction; at the end, the longest it waits for peers to let go
+    // of its blocks.
+    std::chrono::milliseconds setup_timeout = std::chrono::seconds(60);
   };
 
   class Request {
@@ -147,11 +113,11 @@ class CudaStaged {
     typename X::Request ack_;
     std::uint64_t ack_bytes_ = 0;
     CudaStaged* waiting_in_ = nullptr;  // while its copy is not done or its X send not posted
-    CudaStaged* landing_in_ = nullptr;  // a receive through CUDA IPC, until its copy is queued
+    CudaStaged* landing_in_ = nullptr;  // a receive through CUDA IPC, until it lands
     int peer_ = -1;
     std::uint64_t tag_ = 0;
-    std::optional<Error> failure_;  // its deferred post failed: what test() and wait() throw
-    CompletionSink* sink_ = nullptr;  // told of that failure, as X would be of X's own
+    std::optional<Error> failure_;  // its deferred post or its landing failed: what test() and wait() throw
+    CompletionSink* sink_ = nullptr;  // told of a failed deferred post, as X would be of X's own
     std::uint64_t sink_id_ = 0;
   };
 
@@ -164,7 +130,7 @@ class CudaStaged {
         stream_(std::make_unique<cuda::Stream>(device)),
         copies_(std::make_unique<cuda::Stream>(device)),
         landings_(std::make_unique<cuda::Stream>(device)) {
-    if (options_.ipc) find_peers_on_this_gpu();
+    if (options_.ipc) ipc_.connect(inner_, device_, options_.setup_timeout);
   }
   CudaStaged(CudaStaged&& o) noexcept : inner_(std::move(o.inner_)) { take(o); }
   CudaStaged& operator=(CudaStaged&& o) noexcept {
@@ -184,12 +150,13 @@ class CudaStaged {
   cuda::Stream& cuda_stream() noexcept { return *stream_; }
   X& inner() noexcept { return inner_; }
   // How many peers this rank exchanges device bytes with through CUDA IPC.
-  int ipc_peers() const noexcept { return ipc_peers_; }
+  int ipc_peers() const noexcept { return ipc_.peers(); }
 
   void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
     if (r.waiting_in_)
       throw Error(ErrorKind::invalid_argument, {.rank = rank(), .peer = peer, .operation = "send"},
                   "request reused while its send still waits for its copy");
+    if (r.landing_in_) forget(r);  // a receive through IPC that never landed
     r.device_ = nullptr;
     r.ipc_ = false;
     r.failure_.reset();
@@ -198,11 +165,10 @@ class CudaStaged {
     if (!block) return inner_.send(r.inner_, peer, tag, bytes);
     progress();
     r.copied_.record(*stream_);  // the encode that wrote the bytes
-    if (through_ipc(peer)) {
+    if (ipc_.reaches(peer)) {
       check_tag(tag, "send", peer);
       r.ipc_ = true;
       r.descriptor_ = {.generation = block->generation,
-                       .block_address = reinterpret_cast<std::uintptr_t>(block->device),
                        .block_bytes = block->bytes,
                        .offset = static_cast<std::uint64_t>(bytes.data() - block->device),
                        .bytes = bytes.size(),
@@ -220,6 +186,7 @@ class CudaStaged {
   }
 
   void recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> bytes) {
+    if (r.landing_in_) forget(r);  // a receive through IPC that never landed
     r.ipc_ = false;
     r.failure_.reset();
     r.inner_.report_to(r.sink_, r.sink_id_);
@@ -231,13 +198,14 @@ class CudaStaged {
     r.tag_ = tag;
     r.landed_ = false;
     r.copied_.record(*stream_);  // what its copy must wait for
-    if (through_ipc(peer)) {
+    if (ipc_.reaches(peer)) {
       check_tag(tag, "recv", peer);
       r.ipc_ = true;
       r.descriptor_.version = 0;  // what arrives must say its own
+      inner_.recv(r.inner_, peer, tag, std::as_writable_bytes(std::span(&r.descriptor_, 1)));
       if (!r.landing_in_) ipc_receives_.push_back(&r);
       r.landing_in_ = this;
-      return inner_.recv(r.inner_, peer, tag, std::as_writable_bytes(std::span(&r.descriptor_, 1)));
+      return;
     }
     r.payload_ = mirror_of(*block, bytes.data(), "recv", peer);
     inner_.recv(r.inner_, peer, tag, {const_cast<std::byte*>(r.payload_), bytes.size()});
@@ -251,28 +219,31 @@ class CudaStaged {
     return true;
   }
 
-  // Unless `r` is already complete, first posts every send still waiting for its copy and every
-  // acknowledgement still waiting for its copy: the peer may need one of them before it sends
-  // what `r` waits for. (The task graph waits only for what it has heard is complete, and should
-  // not stall on copies meanwhile.) With peers on this GPU it then looks after them until `r` is
-  // done rather than block in X: a peer's send through IPC completes only once this rank has
-  // taken the message (queued its copy) and acknowledged it, and the peer may need that before
-  // it sends what `r` waits for.
+  // Unless `r` is already complete, first posts every send still waiting for its copy: the peer
+  // may need one of them before it sends what `r` waits for. (The task graph waits only for what
+  // it has heard is complete, and should not stall on copies meanwhile.) With peers on this GPU
+  // it then looks after them until `r` is done rather than block in X: a peer's send through IPC
+  // completes only once this rank has taken the message and acknowledged it, and the peer may
+  // need that before it sends what `r` waits for.
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     progress();
     if (r.failure_) throw *r.failure_;
     if (!complete(r)) {
-      progress(/*block=*/true);
-      while (ipc_peers_ > 0 && !r.failure_ && !complete(r) && std::chrono::steady_clock::now() < deadline) {
+      post_held(/*block=*/true);
+      while (ipc_.peers() > 0 && !r.failure_ && !complete(r) && std::chrono::steady_clock::now() < deadline) {
         land_arrived();
-        progress(/*block=*/true);
+        progress();
         std::this_thread::sleep_for(std::chrono::microseconds(10));
       }
       if (r.failure_) throw *r.failure_;
     }
     const std::size_t bytes = inner_.wait(r.inner_, deadline);
     if (r.ipc_ && !r.device_) {
-      inner_.wait(r.ack_, deadline);
+      try {
+        inner_.wait(r.ack_, deadline);
+      } catch (const Error& e) {
+        throw acknowledgement_failure(e);
+      }
       return r.descriptor_.bytes;
     }
     return land(r, bytes);
@@ -282,21 +253,21 @@ class CudaStaged {
   // thread that posts, which meets the abort when it hands them to X.
   void abort(const Error& cause) { inner_.abort(cause); }
 
-  // DeferredSender (concepts.hpp): hands X the sends and acknowledgements whose copies are done;
-  // true while some are still held, or acknowledgements not yet sent.
+  // DeferredSender (concepts.hpp): hands X the sends whose copies are done; true while some are
+  // still held.
   bool post_deferred() {
     progress();
-    return !unposted_.empty() || !waiting_acks_.empty() || !sent_acks_.empty();
+    return !unposted_.empty();
   }
 
   std::span<std::byte> allocate(std::size_t bytes) {
     Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, false, 0, {}};
     try {
-      if (options_.ipc) {
-        b.generation = ++generations_;
+      if (ipc_.peers() > 0) {
+        b.generation = ipc_.next_generation();
         b.handle = cuda::ipc_handle(b.device, device_);
       }
-      if (needs_mirrors()) {
+      if (ipc_.peers() < size() - 1) {  // some peer needs the mirrors
         if constexpr (TransportAllocator<X>) {
           b.host = inner_.allocate(bytes).data();
         } else {
@@ -328,25 +299,8 @@ class CudaStaged {
     std::byte* host;  // the mirror; null where every peer shares the GPU
     std::size_t bytes;
     bool pinned;
-    std::uint64_t generation;  // with ipc: which allocate() made it, and its CUDA IPC handle
+    std::uint64_t generation;  // with peers through IPC: which block it is to them, and its handle
     cuda::IpcHandle handle;
-  };
-
-  // A peer's block, mapped into this process through its CUDA IPC handle.
-  struct Mapping {
-    int peer;
-    std::uint64_t generation;
-    std::uint64_t address, bytes;  // where the block is in the peer's address space
-    std::byte* base;               // and in this one's
-  };
-
-  // The acknowledgement of a copy out of a peer's block, sent once the copy is done.
-  struct Ack {
-    typename X::Request request;
-    cuda::Event copied;
-    int peer = -1;
-    std::uint64_t tag = 0;
-    std::uint64_t bytes = 0;  // the message's length, its body
   };
 
   static constexpr std::uint64_t ack_bit = std::uint64_t{1} << 31;
@@ -360,51 +314,22 @@ class CudaStaged {
                               describe(), tag));
   }
 
-  bool through_ipc(int peer) const { return !through_ipc_.empty() && through_ipc_[static_cast<std::size_t>(peer)]; }
-  bool needs_mirrors() const { return ipc_peers_ < size() - 1; }
-
   // Whether `r` is done: its held send posted, X done with it, a send through IPC acknowledged.
   bool complete(Request& r) {
     if (r.waiting_in_ || !inner_.test(r.inner_)) return false;
-    return !(r.ipc_ && !r.device_) || inner_.test(r.ack_);
+    if (!r.ipc_ || r.device_) return true;
+    try {
+      return inner_.test(r.ack_);
+    } catch (const Error& e) {
+      throw acknowledgement_failure(e);
+    }
   }
 
-  // Tells every peer which GPU and process this rank is, hears the same from each, and routes
-  // through CUDA IPC those in another process on this GPU.
-  void find_peers_on_this_gpu() {
-    const detail::IpcIdentity mine{.device = cuda::device_uuid(device_), .pid = ::getpid(), .nonce = detail::process_nonce()};
-    const auto n = static_cast<std::size_t>(size());
-    std::vector<detail::IpcIdentity> theirs(n);
-    std::vector<typename X::Request> sends(n), receives(n);
-    const std::uint64_t tag = engine::control_tag(0, engine::ControlMessage::cuda_ipc_identity);
-    const auto deadline = std::chrono::steady_clock::now() + options_.setup_timeout;
-    int peer = 0;
-    try {
-      for (peer = 0; peer < size(); ++peer) {
-        if (peer == rank()) continue;
-        inner_.recv(receives[peer], peer, tag, std::as_writable_bytes(std::span(&theirs[peer], 1)));
-        inner_.send(sends[peer], peer, tag, std::as_bytes(std::span(&mine, 1)));
-      }
-      for (peer = 0; peer < size(); ++peer) {
-        if (peer == rank()) continue;
-        const std::size_t got = inner_.wait(receives[peer], deadline);
-        if (got != sizeof mine || theirs[peer].version != detail::IpcIdentity::current_version)
-          throw Error(ErrorKind::protocol, {}, fmt::format("an identity of {} bytes, version {}; expected {} bytes, version {}",
-                                                           got, theirs[peer].version, sizeof mine,
-                                                           detail::IpcIdentity::current_version));
-        inner_.wait(sends[peer], deadline);
-      }
-    } catch (const Error& e) {
-      for (int p = 0; p < size(); ++p)
-        if (p != rank()) withdraw(receives[p]), withdraw(sends[p]);
-      throw Error(e.kind(), {.rank = rank(), .peer = peer, .operation = "cuda ipc setup"},
-                  fmt::format("{} (CudaStaged's ipc option must be on for every rank alike)", e.detail()));
-    }
-    through_ipc_.assign(n, false);
-    for (std::size_t p = 0; p < n; ++p)
-      through_ipc_[p] = static_cast<int>(p) != rank() && theirs[p].device == mine.device &&
-                        (theirs[p].pid != mine.pid || theirs[p].nonce != mine.nonce);
-    ipc_peers_ = static_cast<int>(std::count(through_ipc_.begin(), through_ipc_.end(), true));
+  // X names the acknowledgement's receive; the caller posted a send.
+  static Error acknowledgement_failure(const Error& e) {
+    ErrorContext context = e.context();
+    context.operation = "send (its acknowledgement through cuda ipc)";
+    return Error(e.kind(), context, e.detail());
   }
 
   // The block `bytes` lie in, if allocate() handed it out; null for memory that is not the
@@ -427,10 +352,9 @@ class CudaStaged {
   }
 
   std::byte* mirror_of(const Block& b, const std::byte* p, const char* operation, int peer) const {
-    if (!b.host)  // only a message to itself could want one: no schedule sends one
+    if (!b.host)  // only a message to itself could want one, and no schedule sends one
       throw Error(ErrorKind::internal, {.rank = rank(), .peer = peer, .operation = operation},
-                  fmt::format("{}: a message to a rank on this GPU in this process, which no mirror was made for",
-                              describe()));
+                  fmt::format("{}: a message to a rank this transport made no mirrors for", describe()));
     return b.host + (p - b.device);
   }
 
@@ -444,15 +368,16 @@ class CudaStaged {
     unposted_.push_back(&r);
   }
 
-  void progress(bool block = false) {
-    post_held(block);
-    post_acks(block);
+  void progress() {
+    post_held(/*block=*/false);
+    ipc_.progress(inner_);
   }
 
   // Gives X, in the order they were posted, the held sends whose copies (or encodes) are done;
   // with `block`, all of them, each as soon as it may go. A send that fails here (its copy, or X
   // refusing it: after an abort, say) keeps its Error for its own test() or wait(), and
-  // completes: its CompletionSink is told, as X would tell it.
+  // completes: its CompletionSink is told, as X would tell it, unless its acknowledgement's
+  // receive had already reported its own failure.
   void post_held(bool block) {
     std::size_t posted = 0;
     while (posted < unposted_.size()) {
@@ -467,66 +392,31 @@ class CudaStaged {
         if (r.waiting_in_) ++posted;  // its copy failed
         r.waiting_in_ = nullptr;
         r.failure_ = e.filled({.rank = rank(), .peer = r.peer_, .operation = "send"});
-        if (r.ipc_) {  // its acknowledgement will not come: only this failure is reported
+        bool report = true;
+        if (r.ipc_) {  // its acknowledgement will not come
           r.ack_.report_to(nullptr, 0);
-          withdraw(r.ack_);
+          report = detail::CudaIpc<X>::withdraw(inner_, r.ack_);
         }
-        if (r.sink_) r.sink_->completed(r.sink_id_);
+        if (report && r.sink_) r.sink_->completed(r.sink_id_);
       }
     }
     unposted_.erase(unposted_.begin(), unposted_.begin() + static_cast<std::ptrdiff_t>(posted));
   }
 
-  // Sends the acknowledgements whose copies are done (in order: one stream), with `block` all of
-  // them, and retires those X has sent. One that fails to go throws here: this rank's copy or its
-  // transport failed. One that X fails later is the peer's to meet (it died, or aborted).
-  void post_acks(bool block) {
-    while (!waiting_acks_.empty()) {
-      Ack& a = *waiting_acks_.front();
-      if (!block && !a.copied.done()) break;
-      std::unique_ptr<Ack> ack = std::move(waiting_acks_.front());
-      waiting_acks_.erase(waiting_acks_.begin());
-      try {
-        if (block) a.copied.synchronize();
-        inner_.send(a.request, a.peer, a.tag, std::as_bytes(std::span(&a.bytes, 1)));
-      } catch (const Error& e) {
-        spare_acks_.push_back(std::move(ack));
-        throw e.filled({.rank = rank(), .peer = a.peer, .operation = "acknowledge a copy through cuda ipc"});
-      }
-      sent_acks_.push_back(std::move(ack));
-    }
-    std::erase_if(sent_acks_, [&](std::unique_ptr<Ack>& a) {
-      bool done = true;
-      try {
-        done = inner_.test(a->request);
-      } catch (const Error&) {
-      }
-      if (done) spare_acks_.push_back(std::move(a));
-      return done;
-    });
-  }
-
-  // An operation of X's that no one will wait for: withdrawn (a past deadline does that), unless
-  // already over.
-  void withdraw(typename X::Request& request) noexcept {
-    try {
-      inner_.wait(request, std::chrono::steady_clock::time_point{});
-    } catch (...) {
-    }
-  }
-
   // A request this transport keeps a pointer to is going away (an exchange dropped after an
   // error): a held send is never posted, a receive never landed.
   void forget(Request& r) noexcept {
-    if (r.waiting_in_ && r.ipc_) withdraw(r.ack_);
+    if (r.waiting_in_ && r.ipc_) detail::CudaIpc<X>::withdraw(inner_, r.ack_);
     r.waiting_in_ = nullptr;
     r.landing_in_ = nullptr;
     std::erase(unposted_, &r);
     std::erase(ipc_receives_, &r);
   }
 
-  // Lands the receives through IPC whose descriptors have arrived, which queues their copies and
-  // so their acknowledgements. One that fails keeps its Error for its own test() or wait().
+  // Lands the receives through IPC whose descriptors have arrived: copies them in and
+  // acknowledges them. X's failure of one is left to its own test() or wait(); a landing that
+  // fails (the copy, the peer's block that cannot be mapped) throws here too, at once, since the
+  // peer waits for its acknowledgement.
   void land_arrived() {
     for (std::size_t i = 0; i < ipc_receives_.size();) {
       Request& r = *ipc_receives_[i];
@@ -535,23 +425,30 @@ class CudaStaged {
           ++i;
           continue;
         }
-        land(r, std::nullopt);  // takes it off the list
       } catch (const Error& e) {
-        if (r.landing_in_) forget(r);
-        r.failure_ = e;  // X's own failure, which its test() would throw anyway, or the landing's
+        forget(r);
+        r.failure_ = e;
+        continue;
       }
+      land(r, std::nullopt);  // takes it off the list; a failure stays in r.failure_ too
     }
   }
 
-  // A finished receive into a block: its bytes to the device, queued on the stream once; returns
-  // the message's length. `arrived`: what X received, where known (wait() says, test() does not).
+  // A finished receive into a block: its bytes to the device, queued once; returns the
+  // message's length. `arrived`: what X received, where known (wait() says, test() does not).
   std::size_t land(Request& r, std::optional<std::size_t> arrived) {
     if (!r.device_) return arrived.value_or(0);
     if (r.ipc_) {
       if (!r.landed_) {
         r.landing_in_ = nullptr;
         std::erase(ipc_receives_, &r);
-        copy_from_peer(r, arrived);
+        try {
+          copy_from_peer(r, arrived);
+        } catch (const Error& e) {  // for every later test() or wait() of it, too
+          r.failure_ = e;
+          throw;
+        }
+        r.landed_ = true;
       }
       return r.descriptor_.bytes;
     }
@@ -569,8 +466,10 @@ class CudaStaged {
     r.copied_.order_before(*stream_);
   }
 
-  // A descriptor arrived: the bytes it names, device to device out of the peer's block, then
-  // (once copied) the acknowledgement that frees the peer's send.
+  // A descriptor arrived: the bytes it names, device to device out of the peer's block, then,
+  // once copied, the acknowledgement that frees the peer's send. Waiting for the copy here keeps
+  // no acknowledgement for later, when nothing may call this transport (the end of an
+  // iteration); the copy waits for nothing but kernels of this rank.
   void copy_from_peer(Request& r, std::optional<std::size_t> arrived) {
     const detail::IpcDescriptor& d = r.descriptor_;
     const ErrorContext here{.rank = rank(), .peer = r.peer_, .operation = "recv through cuda ipc"};
@@ -583,44 +482,12 @@ class CudaStaged {
                   fmt::format("{}: a message of {} bytes at {} of a block of {}, for a receive of {} bytes", describe(),
                               d.bytes, d.offset, d.block_bytes, r.size_));
     try {
-      copy_in(r, mapped(r.peer_, d) + d.offset, d.bytes);
+      copy_in(r, ipc_.mapped(r.peer_, d) + d.offset, d.bytes);
+      r.copied_.synchronize();
+      ipc_.signal(inner_, r.peer_, ack_tag(r.tag_), std::as_bytes(std::span(&d.bytes, 1)));
     } catch (const Error& e) {
       throw e.filled(here);
     }
-    r.landed_ = true;
-    std::unique_ptr<Ack> ack;
-    if (spare_acks_.empty()) {
-      ack = std::make_unique<Ack>();
-    } else {
-      ack = std::move(spare_acks_.back());
-      spare_acks_.pop_back();
-    }
-    ack->copied.record(*landings_);
-    ack->peer = r.peer_;
-    ack->tag = ack_tag(r.tag_);
-    ack->bytes = d.bytes;
-    waiting_acks_.push_back(std::move(ack));
-  }
-
-  // The peer's block a descriptor names, mapped here (once per block). A block of the same peer
-  // that overlaps it in the peer's address space was freed, so its mapping goes: nothing still
-  // reads it, since the peer freed it only after every send from it was acknowledged.
-  const std::byte* mapped(int peer, const detail::IpcDescriptor& d) {
-    const auto key = [](const Mapping& m) { return std::pair(m.peer, m.generation); };
-    auto it = std::lower_bound(mappings_.begin(), mappings_.end(), std::pair(peer, d.generation),
-                               [&](const Mapping& m, const auto& k) { return key(m) < k; });
-    if (it != mappings_.end() && key(*it) == std::pair(peer, d.generation)) return it->base;
-    std::erase_if(mappings_, [&](const Mapping& m) {
-      const bool stale = m.peer == peer && m.address < d.block_address + d.block_bytes && d.block_address < m.address + m.bytes;
-      if (stale) cuda::close_ipc_handle(m.base, device_);
-      return stale;
-    });
-    const Mapping m{peer, d.generation, d.block_address, d.block_bytes,
-                    static_cast<std::byte*>(cuda::open_ipc_handle(d.handle, device_))};
-    mappings_.insert(std::upper_bound(mappings_.begin(), mappings_.end(), m,
-                                      [&](const Mapping& x, const Mapping& y) { return key(x) < key(y); }),
-                     m);
-    return m.base;
   }
 
   // Waits for everything queued on its three streams, whatever became of it (after a failure, the
@@ -635,31 +502,22 @@ class CudaStaged {
     }
   }
 
-  // At the end: held sends are never posted (nor their acknowledgements awaited), the copies on
-  // both streams finish before the mirrors and the peers' blocks may go, acknowledgements already
-  // with X get a second to leave, and the rest is unmapped and freed.
+  // At the end: held sends are never posted (nor their acknowledgements awaited), receives never
+  // landed, the copies on the streams finish before the mirrors may go, and the blocks are freed,
+  // those peers may have mapped once they have let go of them (detail::CudaIpc::close).
   void tear_down() noexcept {
     for (Request* r : unposted_) {
       r->waiting_in_ = nullptr;
-      if (r->ipc_) withdraw(r->ack_);
+      if (r->ipc_) detail::CudaIpc<X>::withdraw(inner_, r->ack_);
     }
     unposted_.clear();
     for (Request* r : ipc_receives_) r->landing_in_ = nullptr;
     ipc_receives_.clear();
     finish_streams();
-    waiting_acks_.clear();
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    for (std::unique_ptr<Ack>& a : sent_acks_) {
-      try {
-        inner_.wait(a->request, deadline);
-      } catch (...) {
-      }
-    }
-    sent_acks_.clear();
-    for (const Mapping& m : mappings_) cuda::close_ipc_handle(m.base, device_);
-    mappings_.clear();
     for (const Block& b : blocks_) release(b);
     blocks_.clear();
+    ipc_.close(inner_, std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(options_.setup_timeout,
+                                                                                               std::chrono::seconds(5)));
   }
 
   // Everything but X from a transport being moved.
@@ -672,24 +530,24 @@ class CudaStaged {
     blocks_ = std::exchange(o.blocks_, {});
     unposted_ = std::exchange(o.unposted_, {});
     ipc_receives_ = std::exchange(o.ipc_receives_, {});
-    waiting_acks_ = std::exchange(o.waiting_acks_, {});
-    sent_acks_ = std::exchange(o.sent_acks_, {});
-    spare_acks_ = std::exchange(o.spare_acks_, {});
-    mappings_ = std::exchange(o.mappings_, {});
-    through_ipc_ = std::exchange(o.through_ipc_, {});
-    ipc_peers_ = o.ipc_peers_;
-    generations_ = o.generations_;
+    ipc_ = std::exchange(o.ipc_, {});
     for (Request* r : unposted_) r->waiting_in_ = this;
     for (Request* r : ipc_receives_) r->landing_in_ = this;
   }
 
+  // Frees a block's mirror, and its device memory, or hands that to ipc_ to free once the peers
+  // that may have mapped it have let go.
   void release(const Block& b) noexcept {
     if (b.host) {
       if (b.pinned) cuda::unpin(b.host);
       if constexpr (TransportAllocator<X>) inner_.deallocate({b.host, b.bytes});
       else ::operator delete(b.host, std::align_val_t{64});
     }
-    cuda::free_on_device(b.device, device_);
+    if (b.generation == 0) return cuda::free_on_device(b.device, device_);
+    try {
+      ipc_.retire(inner_, b.device, b.generation);
+    } catch (...) {  // its notices could not go: left allocated, as for a peer that never answers
+    }
   }
 
   X inner_;
@@ -701,13 +559,7 @@ class CudaStaged {
   std::vector<Block> blocks_;  // by device address
   std::vector<Request*> unposted_;  // held sends not yet given to X, in the order they were posted
   std::vector<Request*> ipc_receives_;  // receives through IPC not yet landed
-  std::vector<std::unique_ptr<Ack>> waiting_acks_;  // for their copies, in the order queued
-  std::vector<std::unique_ptr<Ack>> sent_acks_;     // with X, until it has sent them
-  std::vector<std::unique_ptr<Ack>> spare_acks_;    // for the next ones: no allocation per step
-  std::vector<Mapping> mappings_;  // by (peer, generation)
-  std::vector<bool> through_ipc_;  // by peer; empty without ipc
-  int ipc_peers_ = 0;
-  std::uint64_t generations_ = 0;
+  detail::CudaIpc<X> ipc_;
 };
 
 static_assert(DeviceTransport<CudaStaged<Tcp>> && DeferredSender<CudaStaged<Tcp>>);

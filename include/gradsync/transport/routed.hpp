@@ -95,6 +95,12 @@ class Routed {
   {
     recv_add_locally(r, peer, tag, values);
   }
+  // Where `Local` says so, for this machine's ranks (concepts.hpp).
+  bool passes_unmatched(int peer) const noexcept
+    requires requires(const Local& l) { { l.passes_unmatched(0) } -> std::convertible_to<bool>; }
+  {
+    return on_this_machine(peer) && local_.passes_unmatched(peer - first_rank_);
+  }
   bool test(Request& r) { return r.is_local_ ? local_.test(r.local_) : remote_.test(r.remote_); }
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     return r.is_local_ ? local_.wait(r.local_, deadline) : remote_.wait(r.remote_, deadline);

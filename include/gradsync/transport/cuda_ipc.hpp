@@ -1,0 +1,418 @@
+#pragma once
+// transport::detail::CudaIpc<X> — what transport::CudaStaged needs to pass device bytes between
+// processes on one GPU through CUDA IPC (its Options::ipc; cuda_staged.hpp says how messages go):
+// which peers share the GPU, the peers' blocks mapped into this process, the small messages of
+// its own it sends over X (acknowledgements, release notices), and the release of blocks that
+// peers may have mapped.
+//
+// CUDA leaves undefined a cudaFree of memory another process still has open through its IPC
+// handle, so a block that a peer may have mapped is retired, not freed: every peer on the GPU is
+// told ("release", on a per-pair stream of notices over X), closes its mapping if it has one
+// (nothing copies out of it then: every send from the block was acknowledged before the block
+// could be deallocated) and answers ("released"); the block is freed once all have answered.
+// Notices are read whenever CudaStaged makes progress (progress() here). At the end (close()) a
+// rank closes all its mappings and says so ("closing", its last notice: it maps nothing any more,
+// so its peers need no answers from it), then reads its peers' notices until each peer still
+// there has answered for its blocks or said "closing" itself, up to a deadline. A block some peer
+// has not answered for (it died, an abort stopped the notices, it was busy past the deadline) is
+// never freed: the process's exit reclaims it, where freeing it under a live peer's mapping would
+// be undefined.
+//
+// The peers it routes through IPC are those in another process on this GPU that X reaches
+// without holding a later message behind one that no receive matches yet
+// (X::passes_unmatched(peer), concepts.hpp: SharedMemory, Routed within the machine). Tcp stops
+// reading a socket at such a message, and an acknowledgement behind it could wait for ever.
+//
+// Not thread-safe: CudaStaged calls it from the thread that posts.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <span>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/cuda/memory.hpp"
+#include "gradsync/engine/tag.hpp"
+#include "gradsync/error.hpp"
+
+namespace gradsync::transport::detail {
+
+// What X carries for a message through CUDA IPC: where its bytes lie in the sender's block.
+struct IpcDescriptor {
+  static constexpr std::uint32_t current_version = 1;
+  std::uint32_t version = current_version;
+  std::uint32_t reserved = 0;
+  std::uint64_t generation = 0;  // which of the sender's blocks: the count of its allocate() calls
+  std::uint64_t block_bytes = 0;
+  std::uint64_t offset = 0;  // the message's bytes in the block
+  std::uint64_t bytes = 0;
+  cuda::IpcHandle handle{};
+};
+
+// What each rank tells every peer at setup: the GPU it uses and which process it is (a random
+// number with the pid: pids repeat across containers, and a forked child keeps its parent's
+// statics), and whether X lets it take IPC messages from that peer.
+struct IpcIdentity {
+  static constexpr std::uint32_t current_version = 1;
+  std::uint32_t version = current_version;
+  std::uint32_t passes_unmatched = 0;
+  cuda::DeviceUuid device{};
+  std::int64_t pid = 0;
+  std::uint64_t nonce = 0;
+};
+
+// A notice about a block: "release" (its owner wants to free it), "released" (the peer has no
+// mapping of it any more); or "closing" (the sender's last: it maps nothing and will send nothing).
+struct IpcNotice {
+  static constexpr std::uint32_t current_version = 1;
+  enum Kind : std::uint32_t { release = 1, released = 2, closing = 3 };
+  std::uint32_t version = current_version;
+  std::uint32_t kind = release;
+  std::uint64_t generation = 0;
+};
+
+inline std::uint64_t process_nonce() {
+  static const std::uint64_t nonce = (std::uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  return nonce;
+}
+
+// Whether X passes later messages between this rank and `peer` by one no receive matches yet.
+template <class X>
+bool passes_unmatched(const X& x, int peer) {
+  if constexpr (requires { { x.passes_unmatched(peer) } -> std::convertible_to<bool>; })
+    return x.passes_unmatched(peer);
+  else
+    return false;
+}
+
+template <TransportPolicy X>
+class CudaIpc {
+ public:
+  // Tells every peer which GPU and process this rank is, hears the same from each, and from then
+  // on reaches through IPC those in another process on GPU `device` that X passes unmatched
+  // messages to and from (both sides must say so). Throws Error(timeout) naming the first peer
+  // that did not answer within `timeout`.
+  void connect(X& x, int device, std::chrono::milliseconds timeout) {
+    device_ = device;
+    const int rank = x.rank(), size = x.size();
+    const auto n = static_cast<std::size_t>(size);
+    const IpcIdentity mine{.device = cuda::device_uuid(device), .pid = ::getpid(), .nonce = process_nonce()};
+    std::vector<IpcIdentity> theirs(n);
+    std::vector<IpcIdentity> told(n, mine);
+    std::vector<typename X::Request> sends(n), receives(n);
+    const std::uint64_t tag = engine::control_tag(0, engine::ControlMessage::cuda_ipc_identity);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    int peer = 0;
+    try {
+      for (peer = 0; peer < size; ++peer) {
+        if (peer == rank) continue;
+        told[peer].passes_unmatched = passes_unmatched(x, peer);
+        x.recv(receives[peer], peer, tag, std::as_writable_bytes(std::span(&theirs[peer], 1)));
+        x.send(sends[peer], peer, tag, std::as_bytes(std::span(&told[peer], 1)));
+      }
+      for (peer = 0; peer < size; ++peer) {
+        if (peer == rank) continue;
+        const std::size_t got = x.wait(receives[peer], deadline);
+        if (got != sizeof mine || theirs[peer].version != IpcIdentity::current_version)
+          throw Error(ErrorKind::protocol, {},
+                      fmt::format("an identity of {} bytes, version {}; expected {} bytes, version {}", got,
+                                  theirs[peer].version, sizeof mine, IpcIdentity::current_version));
+        x.wait(sends[peer], deadline);
+      }
+    } catch (const Error& e) {
+      for (int p = 0; p < size; ++p)
+        if (p != rank) withdraw(x, receives[p]), withdraw(x, sends[p]);
+      throw Error(e.kind(), {.rank = rank, .peer = peer, .operation = "cuda ipc setup"},
+                  fmt::format("{} (CudaStaged's ipc option must be on for every rank alike)", e.detail()));
+    }
+    reaches_.assign(n, false);
+    inboxes_.clear();
+    inboxes_.resize(n);
+    notices_sent_.assign(n, 0);
+    for (peer = 0; peer < size; ++peer) {
+      const auto p = static_cast<std::size_t>(peer);
+      reaches_[p] = peer != rank && theirs[p].device == mine.device &&
+                    (theirs[p].pid != mine.pid || theirs[p].nonce != mine.nonce) && theirs[p].passes_unmatched &&
+                    told[p].passes_unmatched;
+      if (!reaches_[p]) continue;
+      inboxes_[p] = std::make_unique<Inbox>();
+      try {
+        post_inbox(x, peer);
+      } catch (const Error& e) {
+        inboxes_[p].reset();
+        for (std::unique_ptr<Inbox>& inbox : inboxes_)
+          if (inbox) withdraw(x, inbox->request);
+        inboxes_.clear();
+        reaches_.clear();
+        throw e.filled({.rank = rank, .peer = peer, .operation = "cuda ipc setup"});
+      }
+    }
+    peers_ = static_cast<int>(std::count(reaches_.begin(), reaches_.end(), true));
+  }
+
+  bool reaches(int peer) const { return !reaches_.empty() && reaches_[static_cast<std::size_t>(peer)]; }
+  int peers() const noexcept { return peers_; }
+  int device() const noexcept { return device_; }
+
+  // A new block's generation and handle, for the descriptors of messages sent from it.
+  std::uint64_t next_generation() noexcept { return ++generations_; }
+
+  // The peer's block a descriptor names, mapped here once (until the peer releases it).
+  const std::byte* mapped(int peer, const IpcDescriptor& d) {
+    for (const Mapping& m : mappings_)
+      if (m.peer == peer && m.generation == d.generation) return m.base;
+    if (std::find(released_.begin(), released_.end(), std::pair(peer, d.generation)) != released_.end())
+      throw Error(ErrorKind::protocol, {.peer = peer, .operation = "recv through cuda ipc"},
+                  fmt::format("a message from block {} of the peer, which it has released", d.generation));
+    mappings_.reserve(mappings_.size() + 1);
+    mappings_.push_back({peer, d.generation, static_cast<std::byte*>(cuda::open_ipc_handle(d.handle, device_))});
+    return mappings_.back().base;
+  }
+
+  // Sends `body` (at most 16 bytes) to `peer` as a message of this transport's own, which no one
+  // waits for: X completes it, progress() retires it.
+  void signal(X& x, int peer, std::uint64_t tag, std::span<const std::byte> body) {
+    std::unique_ptr<Signal> s;
+    if (spare_.empty()) {
+      s = std::make_unique<Signal>();
+    } else {
+      s = std::move(spare_.back());
+      spare_.pop_back();
+    }
+    std::memcpy(s->body.data(), body.data(), std::min(body.size(), s->body.size()));
+    s->peer = peer;
+    try {
+      sent_.reserve(sent_.size() + 1);  // no failure once X has it
+      x.send(s->request, peer, tag, std::span(s->body).first(std::min(body.size(), s->body.size())));
+    } catch (...) {
+      spare_.push_back(std::move(s));
+      throw;
+    }
+    sent_.push_back(std::move(s));
+  }
+
+  // Retires the signals X has sent, and reads and answers the peers' notices.
+  void progress(X& x) {
+    std::erase_if(sent_, [&](std::unique_ptr<Signal>& s) {
+      bool done = true;
+      try {
+        done = x.test(s->request);
+      } catch (const Error&) {  // its peer failed or aborted: the peer's to meet
+      }
+      if (done) spare_.push_back(std::move(s));
+      return done;
+    });
+    for (std::size_t p = 0; p < inboxes_.size(); ++p)
+      if (inboxes_[p]) read_notices(x, static_cast<int>(p));
+  }
+
+  // A block this rank allocated with `generation`, to be freed once no peer has it mapped.
+  void retire(X& x, void* device, std::uint64_t generation) {
+    progress(x);  // a peer that has closed is told nothing
+    Retiring r{device, generation, std::vector<bool>(reaches_.size(), false), 0};
+    const IpcNotice notice{.kind = IpcNotice::release, .generation = generation};
+    for (std::size_t p = 0; p < reaches_.size(); ++p) {
+      if (!reaches_[p] || inboxes_[p]->closing) continue;  // a peer that closed maps nothing
+      r.waiting_for[p] = true;  // until it answers; if the notice cannot go, for good
+      ++r.count;
+      if (inboxes_[p]->gone) continue;
+      try {
+        send_notice(x, static_cast<int>(p), notice);
+      } catch (const Error&) {  // after an abort, or the peer died: no answer will come
+      }
+    }
+    if (r.count == 0) return cuda::free_on_device(device, device_);
+    retiring_.push_back(std::move(r));
+    free_released();
+  }
+
+  // At the end, after the caller's streams are drained and its blocks retired: closes this
+  // rank's mappings and tells every peer ("closing"), then reads the peers' notices until (or
+  // `deadline`) each peer still there has answered for this rank's blocks or closed itself, and
+  // has taken what this rank sent it. Frees what was answered for, and settles X's requests it
+  // made.
+  void close(X& x, std::chrono::steady_clock::time_point deadline) noexcept {
+    for (const Mapping& m : mappings_) cuda::close_ipc_handle(m.base, device_);
+    mappings_.clear();
+    closing_ = true;  // releases need no answer from here on
+    for (std::size_t p = 0; p < inboxes_.size(); ++p) {
+      if (!inboxes_[p] || inboxes_[p]->gone) continue;
+      try {
+        send_notice(x, static_cast<int>(p), {.kind = IpcNotice::closing});
+      } catch (...) {  // gone, or this rank aborted: it waits for nothing from this one
+        peer_gone(static_cast<int>(p));
+      }
+    }
+    // A peer that closed reads nothing more; one that is gone, nothing at all.
+    const auto listening = [&](int p) { return inboxes_[p] && !inboxes_[p]->gone && !inboxes_[p]->closing; };
+    const auto waiting = [&] {
+      for (const Retiring& r : retiring_)
+        for (std::size_t p = 0; p < r.waiting_for.size(); ++p)
+          if (r.waiting_for[p] && listening(static_cast<int>(p))) return true;
+      for (const std::unique_ptr<Signal>& s : sent_)
+        if (listening(s->peer)) return true;
+      return false;
+    };
+    while (waiting() && std::chrono::steady_clock::now() < deadline) {
+      try {
+        progress(x);
+      } catch (...) {  // a notice out of protocol: the deadline ends it
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    free_released();
+    retiring_.clear();  // those still unanswered stay allocated (the top of this file)
+    for (std::unique_ptr<Inbox>& inbox : inboxes_)
+      if (inbox) withdraw(x, inbox->request);
+    inboxes_.clear();
+    for (std::unique_ptr<Signal>& s : sent_) withdraw(x, s->request);  // to peers that read no more
+    sent_.clear();
+    reaches_.clear();
+    peers_ = 0;
+  }
+
+  // An operation of X's that no one will wait for: withdrawn (a past deadline does that), unless
+  // over. True if it was still pending.
+  static bool withdraw(X& x, typename X::Request& request) noexcept {
+    try {
+      x.wait(request, std::chrono::steady_clock::time_point{});
+    } catch (const Error& e) {
+      return e.kind() == ErrorKind::timeout;
+    } catch (...) {
+    }
+    return false;
+  }
+
+ private:
+  struct Mapping {
+    int peer;
+    std::uint64_t generation;
+    std::byte* base;
+  };
+
+  struct Signal {
+    typename X::Request request;
+    int peer = -1;
+    std::array<std::byte, 16> body{};
+  };
+
+  // The standing receive of a peer's notices, numbered per direction in the tag.
+  struct Inbox {
+    typename X::Request request;
+    IpcNotice notice;
+    std::uint16_t received = 0;
+    bool closing = false;  // the peer said it is closing: nothing more comes
+    bool gone = false;  // its receive failed: the peer is gone, or this rank aborted
+  };
+
+  struct Retiring {
+    void* device;
+    std::uint64_t generation;
+    std::vector<bool> waiting_for;  // by peer
+    int count;
+  };
+
+  // Notices to a peer are numbered in their tags, the number used up only once one has gone.
+  void send_notice(X& x, int peer, const IpcNotice& notice) {
+    signal(x, peer, engine::control_tag(notices_sent_[peer], engine::ControlMessage::cuda_ipc_notice),
+           std::as_bytes(std::span(&notice, 1)));
+    ++notices_sent_[peer];
+  }
+
+  void post_inbox(X& x, int peer) {
+    Inbox& inbox = *inboxes_[peer];
+    x.recv(inbox.request, peer, engine::control_tag(inbox.received, engine::ControlMessage::cuda_ipc_notice),
+           std::as_writable_bytes(std::span(&inbox.notice, 1)));
+  }
+
+  // Reads the peer's notices that have come: answers a release (after closing the mapping;
+  // not once this rank is closing: it maps nothing then, as its own closing notice says), counts
+  // a release's answer, and takes "closing" as the answer for every block. The receive for the
+  // next notice is posted before one is acted on, so a failure in between leaves none read twice.
+  void read_notices(X& x, int peer) {
+    Inbox& inbox = *inboxes_[peer];
+    while (!inbox.gone && !inbox.closing) {
+      try {
+        if (!x.test(inbox.request)) return;
+      } catch (const Error&) {
+        return peer_gone(peer);
+      }
+      const IpcNotice notice = inbox.notice;
+      ++inbox.received;
+      if (notice.version != IpcNotice::current_version) {
+        peer_gone(peer);  // nothing more is read from it
+        throw Error(ErrorKind::protocol, {.rank = x.rank(), .peer = peer, .operation = "cuda ipc notice"},
+                    fmt::format("a notice of version {}; expected {}", notice.version, IpcNotice::current_version));
+      }
+      if (notice.kind == IpcNotice::closing) {
+        inbox.closing = true;  // nothing follows it: no receive to post
+      } else {
+        try {
+          post_inbox(x, peer);
+        } catch (const Error&) {
+          peer_gone(peer);
+        }
+      }
+      if (notice.kind == IpcNotice::release) {
+        std::erase_if(mappings_, [&](const Mapping& m) {
+          const bool it = m.peer == peer && m.generation == notice.generation;
+          if (it) cuda::close_ipc_handle(m.base, device_);
+          return it;
+        });
+        released_.emplace_back(peer, notice.generation);
+        if (!closing_ && !inbox.gone) {
+          try {
+            send_notice(x, peer, {.kind = IpcNotice::released, .generation = notice.generation});
+          } catch (const Error&) {  // the peer is gone or this rank aborted: it waits for no answer
+          }
+        }
+      } else {
+        const bool every_block = notice.kind == IpcNotice::closing;
+        for (Retiring& r : retiring_)
+          if ((every_block || r.generation == notice.generation) && r.waiting_for[peer]) {
+            r.waiting_for[peer] = false;
+            --r.count;
+          }
+      }
+    }
+  }
+
+  // Its notices stop: what it has not answered for stays allocated.
+  void peer_gone(int peer) { inboxes_[peer]->gone = true; }
+
+  // Frees the retired blocks every peer has answered for. Not from read_notices(): cudaFree waits
+  // for the whole device, which the communication thread should not do mid-iteration.
+  void free_released() {
+    std::erase_if(retiring_, [&](const Retiring& r) {
+      if (r.count > 0) return false;
+      cuda::free_on_device(r.device, device_);
+      return true;
+    });
+  }
+
+  int device_ = 0;
+  std::vector<bool> reaches_;  // by peer; empty before connect()
+  int peers_ = 0;
+  std::uint64_t generations_ = 0;
+  std::vector<Mapping> mappings_;
+  std::vector<std::pair<int, std::uint64_t>> released_;  // (peer, generation): never to be mapped again
+  bool closing_ = false;
+  std::vector<std::unique_ptr<Signal>> sent_;   // with X until it has sent them
+  std::vector<std::unique_ptr<Signal>> spare_;  // for the next ones: no allocation per step
+  std::vector<std::unique_ptr<Inbox>> inboxes_;  // by peer, for those reached
+  std::vector<std::uint16_t> notices_sent_;      // by peer
+  std::vector<Retiring> retiring_;
+};
+
+}  // namespace gradsync::transport::detail
