@@ -10,10 +10,12 @@
 // told ("release", on a per-pair stream of notices over X), closes its mapping if it has one
 // (nothing copies out of it then: every send from the block was acknowledged before the block
 // could be deallocated) and answers ("released"); the block is freed once all have answered.
-// Notices are read whenever CudaStaged makes progress (progress() here). At the end (close()) a
-// rank closes all its mappings and says so ("closing", its last notice: it maps nothing any more,
-// so its peers need no answers from it), then reads its peers' notices until each peer still
-// there has answered for its blocks or said "closing" itself, up to a deadline. A block some peer
+// Notices are read whenever CudaStaged makes progress (progress() here); answered blocks are
+// freed at the next retire() or close() (cudaFree waits for the whole device: not on the
+// communication thread). At the end (close()) a rank closes all its mappings and says so
+// ("closing", its last notice: it maps nothing any more, so its peers need no answers from it),
+// then reads its peers' notices until each peer still there has answered for its blocks or said
+// "closing" itself, and has taken what this rank sent it, up to a deadline. A block some peer
 // has not answered for (it died, an abort stopped the notices, it was busy past the deadline) is
 // never freed: the process's exit reclaims it, where freeing it under a live peer's mapping would
 // be undefined.
@@ -254,14 +256,17 @@ class CudaIpc {
         peer_gone(static_cast<int>(p));
       }
     }
-    // A peer that closed reads nothing more; one that is gone, nothing at all.
-    const auto listening = [&](int p) { return inboxes_[p] && !inboxes_[p]->gone && !inboxes_[p]->closing; };
+    // A peer that is gone reads and answers nothing; one that is closing answers nothing more
+    // (its "closing" answered for every block) but reads on, up to this rank's "closing", while it
+    // waits for its own answers: what was sent to it is waited for until it is taken, or the
+    // peer goes.
+    const auto there = [&](int p) { return inboxes_[p] && !inboxes_[p]->gone; };
     const auto waiting = [&] {
       for (const Retiring& r : retiring_)
         for (std::size_t p = 0; p < r.waiting_for.size(); ++p)
-          if (r.waiting_for[p] && listening(static_cast<int>(p))) return true;
+          if (r.waiting_for[p] && there(static_cast<int>(p)) && !inboxes_[p]->closing) return true;
       for (const std::unique_ptr<Signal>& s : sent_)
-        if (listening(s->peer)) return true;
+        if (there(s->peer)) return true;
       return false;
     };
     while (waiting() && std::chrono::steady_clock::now() < deadline) {
@@ -276,7 +281,7 @@ class CudaIpc {
     for (std::unique_ptr<Inbox>& inbox : inboxes_)
       if (inbox) withdraw(x, inbox->request);
     inboxes_.clear();
-    for (std::unique_ptr<Signal>& s : sent_) withdraw(x, s->request);  // to peers that read no more
+    for (std::unique_ptr<Signal>& s : sent_) withdraw(x, s->request);  // to peers gone, or past the deadline
     sent_.clear();
     reaches_.clear();
     peers_ = 0;

@@ -237,7 +237,13 @@ class CudaStaged {
       }
       if (r.failure_) throw *r.failure_;
     }
-    const std::size_t bytes = inner_.wait(r.inner_, deadline);
+    std::size_t bytes = 0;
+    try {
+      bytes = inner_.wait(r.inner_, deadline);
+    } catch (const Error&) {
+      if (r.ipc_ && !r.device_) detail::CudaIpc<X>::withdraw(inner_, r.ack_);  // nothing waits for it now
+      throw;
+    }
     if (r.ipc_ && !r.device_) {
       try {
         inner_.wait(r.ack_, deadline);
