@@ -165,9 +165,8 @@ class CudaIpc {
 
   bool reaches(int peer) const { return !reaches_.empty() && reaches_[static_cast<std::size_t>(peer)]; }
   int peers() const noexcept { return peers_; }
-  int device() const noexcept { return device_; }
 
-  // A new block's generation and handle, for the descriptors of messages sent from it.
+  // A new block's generation, which names it in the descriptors of messages sent from it.
   std::uint64_t next_generation() noexcept { return ++generations_; }
 
   // The peer's block a descriptor names, mapped here once (until the peer releases it).
