@@ -220,13 +220,20 @@ class CudaStaged {
   }
 
   // Unless `r` is already complete, first posts every send still waiting for its copy: the peer
-  // may need one of them before it sends what `r` waits for. (The task graph waits only for what
-  // it has heard is complete, and should not stall on copies meanwhile.) With peers on this GPU
-  // it then looks after them until `r` is done rather than block in X: a peer's send through IPC
+  // may need one of them before it sends what `r` waits for. The task graph waits only for what
+  // it has heard is complete, and should not stall on copies meanwhile; but a transport may tell
+  // its sink just before test() sees the completion (SharedMemory does, completion.hpp allows
+  // it), so it looks again a few times before it blocks on them. With peers on this GPU it then
+  // looks after them until `r` is done rather than block in X: a peer's send through IPC
   // completes only once this rank has taken the message and acknowledged it, and the peer may
   // need that before it sends what `r` waits for.
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     progress();
+    if (r.failure_) throw *r.failure_;
+    for (int look = 0; look < 64 && !r.failure_ && !complete(r); ++look) {
+      post_held(/*block=*/false);
+      std::this_thread::yield();
+    }
     if (r.failure_) throw *r.failure_;
     if (!complete(r)) {
       post_held(/*block=*/true);
