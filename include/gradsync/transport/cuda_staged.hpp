@@ -73,12 +73,13 @@ template <TransportPolicy X>
 class CudaStaged {
  public:
   struct Options {
-    // Peers in other processes on the same GPU exchange device bytes through CUDA IPC, device to
-    // device, instead of through the host mirrors. Every rank must set it alike: construction
-    // waits for each peer's identity. Off by default until it has run on a GPU (README).
+    // Peers in other processes on the same GPU, reached over SharedMemory (or Routed within the
+    // machine; not Tcp), exchange device bytes through CUDA IPC, device to device, instead of
+    // through the host mirrors. Every rank must set it alike: construction waits for each peer's
+    // identity. Off by default until it has run on a GPU (README).
     bool ipc = false;
-    // For the identities at construction; at the end, the longest it waits for peers to let go
-    // of its blocks.
+    // For the identities at construction; at the end, also the longest (5 s at most) it waits for
+    // peers to let go of its blocks.
     std::chrono::milliseconds setup_timeout = std::chrono::seconds(60);
   };
 
