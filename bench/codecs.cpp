@@ -204,7 +204,7 @@ void gpu_table(const Config& cfg, std::vector<Row>& rows) {
     for (std::size_t bytes = cfg.min_mib << 20; bytes <= cfg.max_mib << 20; bytes *= cfg.step_factor) {
       const auto r = tk::with_codec(
           name, {}, [&](const auto& codec) { return measure_device(name, bytes, cfg.iters, codec, stream); });
-      if (!r) continue;  // no device path (top-k)
+      if (!r) continue;  // no device path
       fmt::print("  {:>12} {:>12} {:>10.1f} {:>10.1f} {:>8.1f} {:>10.1f} {:>9.2f} {:>9.2f}\n", r->codec, r->bytes,
                  r->encode_GBps, r->decode_GBps, r->ratio, r->copy_GBps, r->encode_GBps / r->copy_GBps,
                  r->decode_GBps / r->copy_GBps);

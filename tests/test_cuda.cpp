@@ -213,19 +213,22 @@ TEST_SUITE("cuda") {
   TEST_CASE_TEMPLATE("device codecs write the CPU codecs' bytes and decode to the same values" * doctest::skip(no_device),
                      C, compression::Fp16, compression::Bf16, compression::TwoBit, compression::OneBit,
                      compression::TernGrad<2>, compression::TernGrad<4>, compression::TernGrad<8>,
-                     compression::RandomK) {
+                     compression::RandomK, compression::TopK) {
     if constexpr (std::is_same_v<C, compression::TwoBit>) check_codec_matches(C{.threshold = 0.3f});
     else if constexpr (std::is_same_v<C, compression::RandomK>) check_codec_matches(C{.keep = {.fraction = 0.05}, .seed = 4});
+    else if constexpr (std::is_same_v<C, compression::TopK>) check_codec_matches(C{.keep = {.fraction = 0.05}});
     else if constexpr (requires(C c) { c.seed; }) check_codec_matches(C{.seed = 9});
     else check_codec_matches(C{});
   }
 
-  // TwoBit and OneBit run fused kernels, the others the generic steps.
+  // TernGrad runs the generic steps, the others fused kernels.
   TEST_CASE_TEMPLATE("error feedback on the device follows the CPU decorator step for step" * doctest::skip(no_device),
-                     C, compression::TwoBit, compression::OneBit, compression::TernGrad<4>, compression::RandomK) {
+                     C, compression::TwoBit, compression::OneBit, compression::TernGrad<4>, compression::RandomK,
+                     compression::TopK) {
     C codec;
     if constexpr (std::is_same_v<C, compression::TwoBit>) codec.threshold = 0.5f;
     else if constexpr (std::is_same_v<C, compression::RandomK>) codec = {.keep = {.fraction = 0.05}, .seed = 4};
+    else if constexpr (std::is_same_v<C, compression::TopK>) codec = {.keep = {.fraction = 0.05}};
     else if constexpr (requires { codec.seed; }) codec.seed = 9;
     const compression::ErrorFeedback<C> decorated{codec};
     for (std::size_t n : {1u, 4099u, 300000u}) {  // 300000: the sum tree's second level
@@ -249,5 +252,83 @@ TEST_SUITE("cuda") {
         for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(r[i], host_state.residual_f32[i]));
       }
     }
+  }
+
+  // Values of few magnitudes, so that the k-th largest is shared by many spread over many tiles:
+  // the device must keep the same lowest-indexed ones the CPU keeps.
+  TEST_CASE("TopK on the device keeps the CPU's picks among equal magnitudes" * doctest::skip(no_device)) {
+    const std::size_t n = 100003;
+    std::vector<float> in(n);
+    for (std::size_t i = 0; i < n; ++i)
+      in[i] = static_cast<float>(static_cast<int>((i * 7919) % 9) - 4) * 0.25f;  // 0, ±0.25 .. ±1, each ~n/9 times
+    in[n / 2] = 3.0f;
+    in[n - 1] = -3.0f;
+    const DeviceVector<float> device_in(in);
+    cuda::Stream stream;
+    // k: all of the largest, inside a group of equals, a whole group, everything.
+    for (std::size_t k : {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{5000}, 2 + 2 * (n / 9),
+                          std::size_t{60000}, n}) {
+      CAPTURE(k);
+      const compression::TopK codec{.keep = {.count = k}};
+      compression::TopK::State state;
+      std::vector<std::byte> host_bytes(codec.max_encoded_bytes(n, DType::f32));
+      const std::size_t used = codec.encode(std::span<const float>(in), state, host_bytes);
+      DeviceVector<std::byte> device_bytes(host_bytes.size());
+      REQUIRE(cuda::encode(codec, state, device_in.data, n, device_bytes.data, stream) == used);
+      stream.synchronize();
+      const auto encoded = device_bytes.host();
+      REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), used) == 0);
+    }
+  }
+
+  // A forged encoding of the right size: the count, an index past the end, indices out of order.
+  // The device finds each before writing anything, names it, and the stream goes on.
+  TEST_CASE("TopK's decode on the device refuses forged counts and indices and writes nothing" *
+            doctest::skip(no_device)) {
+    const std::size_t n = 5000;
+    const compression::TopK codec{.keep = {.count = 40}};
+    const auto in = test::random_values(n, 21);
+    std::vector<std::byte> good(codec.max_encoded_bytes(n, DType::f32));
+    compression::TopK::State state;
+    REQUIRE(codec.encode(std::span<const float>(in), state, good) == good.size());
+    const auto forged = [&](std::size_t offset, std::uint32_t word) {
+      std::vector<std::byte> bytes = good;
+      std::memcpy(bytes.data() + offset, &word, 4);
+      return bytes;
+    };
+    const std::size_t indices = compression::header_bytes + 4;
+    std::uint32_t third;
+    std::memcpy(&third, good.data() + indices + 8, 4);
+    const std::pair<std::vector<std::byte>, std::string> cases[] = {
+        {forged(compression::header_bytes, 41), "keeps 41 values, where the codec keeps 40"},
+        {forged(indices + 4 * 39, static_cast<std::uint32_t>(n)), "index 5000 at position 39, out of range or order"},
+        {forged(indices + 4 * 3, third), fmt::format("index {} at position 3, out of range or order", third)},
+    };
+    cuda::Stream stream;
+    const DeviceVector<float> out(test::random_values(n, 22));
+    const auto before = out.host();
+    for (const auto& [bytes, message] : cases) {
+      CAPTURE(message);
+      const DeviceVector<std::byte> device_bytes(bytes);
+      for (DecodeMode mode : {DecodeMode::add, DecodeMode::overwrite}) {
+        cuda::decode(codec, device_bytes.data, bytes.size(), out.data, n, mode, stream);
+        try {
+          stream.synchronize();
+          FAIL("the forged encoding was decoded");
+        } catch (const Error& e) {
+          CHECK(e.kind() == ErrorKind::protocol);
+          CHECK_MESSAGE(std::string(e.what()).find(message) != std::string::npos, e.what());
+        }
+        const auto after = out.host();
+        REQUIRE(std::memcmp(before.data(), after.data(), n * sizeof(float)) == 0);
+      }
+    }
+    const DeviceVector<std::byte> device_good(good);
+    cuda::decode(codec, device_good.data, good.size(), out.data, n, DecodeMode::overwrite, stream);
+    stream.synchronize();
+    std::vector<float> expected(n);
+    codec.decode(good, std::span<float>(expected), DecodeMode::overwrite);
+    const auto decoded = out.host();
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(decoded[i], expected[i]));
   }
 }

@@ -197,6 +197,8 @@ void staged_matches_host(DevicePath path, Executor executor) {
   device_matches_host("two-bit", compression::TwoBit{}, topology::ParameterServer{}, path, executor);
   device_matches_host("random-k", compression::RandomK{},
                       topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 512}, path, executor);
+  device_matches_host("ef-top-k", compression::ErrorFeedback<compression::TopK>{.codec = {.keep = {.fraction = 0.05}}},
+                      topology::Ring{.chunk_elements = 512}, path, executor);
 }
 
 // Rank `rank` of three synchronizes ef-two-bit device gradients over CudaStaged<X>; rank 2 dies

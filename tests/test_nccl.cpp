@@ -233,10 +233,11 @@ TEST_CASE("nccl: every kind of step on the device gives the host's bits, for eve
          {device_matches_host(compression::None{}), device_matches_host(compression::Fp16{}),
           device_matches_host(compression::Bf16{}), device_matches_host(compression::TwoBit{}),
           device_matches_host(compression::OneBit{}), device_matches_host(compression::TernGrad<2>{}),
-          device_matches_host(compression::RandomK{}),
+          device_matches_host(compression::RandomK{}), device_matches_host(compression::TopK{}),
           device_matches_host(compression::ErrorFeedback<compression::TwoBit>{}),
           device_matches_host(compression::ErrorFeedback<compression::OneBit>{}),
           device_matches_host(compression::ErrorFeedback<compression::RandomK>{}),
+          device_matches_host(compression::ErrorFeedback<compression::TopK>{}),
           device_matches_host(compression::ErrorFeedback<compression::TernGrad<2>>{})})
       if (r != "ok") return r;
     return std::string("ok");

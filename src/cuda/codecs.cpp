@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstring>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -44,7 +45,7 @@ void check_device_header(const std::byte* in, std::size_t bytes, compression::Co
 }
 
 // Checks what the host knows of an encoding (its size, against the codec and the destination)
-// and returns the header the decode kernel must find on the device (kernels::HeaderCheck).
+// and returns the header the decode kernel must find on the device (kernels::DecodeCheck).
 std::uint64_t expected_header(std::size_t bytes, compression::CodecId id, const char* codec, std::size_t n,
                               std::size_t payload) {
   if (bytes != compression::header_bytes + payload)
@@ -81,9 +82,12 @@ struct Stream::Impl {
   cudaStream_t stream = nullptr;
   double* sums = nullptr;  // OneBit's sum tree
   std::size_t sums_capacity = 0;
+  std::uint64_t* tile_counts = nullptr;  // TopK's counts per tile
+  std::size_t tiles_capacity = 0;
+  kernels::TopKScratch* top_k = nullptr;
   float* parameter = nullptr;  // a run's parameter computed on the device (a scale)
-  kernels::HeaderCheck* check = nullptr;         // mapped host memory: what decode kernels found
-  kernels::HeaderCheck* check_device = nullptr;  // ... as the device addresses it
+  kernels::DecodeCheck* check = nullptr;         // mapped host memory: what decode kernels found
+  kernels::DecodeCheck* check_device = nullptr;  // ... as the device addresses it
 };
 
 int device_count() {
@@ -97,11 +101,13 @@ Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
     check(cudaSetDevice(device), "stream");
     check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "stream");
     check(cudaMalloc(&impl_->parameter, sizeof(float)), "stream");
-    check(cudaHostAlloc(&impl_->check, sizeof(kernels::HeaderCheck), cudaHostAllocMapped), "stream");
+    check(cudaMalloc(&impl_->top_k, sizeof(kernels::TopKScratch)), "stream");
+    check(cudaHostAlloc(&impl_->check, sizeof(kernels::DecodeCheck), cudaHostAllocMapped), "stream");
     *impl_->check = {};
     check(cudaHostGetDevicePointer(&impl_->check_device, impl_->check, 0), "stream");
   } catch (...) {
     cudaFree(impl_->parameter);
+    cudaFree(impl_->top_k);
     cudaFreeHost(impl_->check);
     if (impl_->stream) cudaStreamDestroy(impl_->stream);
     throw;
@@ -111,6 +117,8 @@ Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
 Stream::~Stream() {
   cudaStreamSynchronize(impl_->stream);
   cudaFree(impl_->sums);
+  cudaFree(impl_->tile_counts);
+  cudaFree(impl_->top_k);
   cudaFree(impl_->parameter);
   cudaFreeHost(impl_->check);
   cudaStreamDestroy(impl_->stream);
@@ -121,12 +129,22 @@ void* Stream::native() const noexcept { return impl_->stream; }
 void Stream::synchronize() {
   check(cudaStreamSynchronize(impl_->stream), "synchronize");
   if (!impl_->check->failed) return;
-  const kernels::HeaderCheck found = *impl_->check;
+  const kernels::DecodeCheck found = *impl_->check;
   *impl_->check = {};
-  throw Error(ErrorKind::protocol, {.operation = "decode"},
-              fmt::format("a decode on cuda:{} met an encoding whose header says {}, where {} was expected; that "
-                          "decode wrote nothing",
-                          impl_->device, describe_header(found.found), describe_header(found.expected)));
+  const std::string what = [&] {
+    switch (found.failed) {
+      case kernels::DecodeCheck::count:
+        return fmt::format("a top-k decode on cuda:{} met an encoding that keeps {} values, where the codec keeps {}",
+                           impl_->device, found.found, found.expected);
+      case kernels::DecodeCheck::index:
+        return fmt::format("a top-k decode on cuda:{} met index {} at position {}, out of range or order for {} values",
+                           impl_->device, found.found, found.position, found.expected);
+      default:
+        return fmt::format("a decode on cuda:{} met an encoding whose header says {}, where {} was expected",
+                           impl_->device, describe_header(found.found), describe_header(found.expected));
+    }
+  }();
+  throw Error(ErrorKind::protocol, {.operation = "decode"}, what + "; that decode wrote nothing");
 }
 
 Event::~Event() {
@@ -162,15 +180,25 @@ void Event::synchronize() {
   if (event_) check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "wait for event");
 }
 
+namespace {
+// Device scratch of `needed` T at least; the old is freed, so the stream must not be using it.
+template <class T>
+void grow(T*& buffer, std::size_t& capacity, std::size_t needed) {
+  if (needed <= capacity) return;
+  check(cudaFree(buffer), "reserve");
+  buffer = nullptr;
+  capacity = 0;
+  check(cudaMalloc(&buffer, needed * sizeof(T)), "reserve");
+  capacity = needed;
+}
+}  // namespace
+
 void Stream::reserve(std::size_t values) {
-  const std::size_t needed = kernels::sum_tree_size(values);
-  if (needed <= impl_->sums_capacity) return;
-  check(cudaStreamSynchronize(impl_->stream), "reserve");  // the old tree may still be in use
-  check(cudaFree(impl_->sums), "reserve");
-  impl_->sums = nullptr;
-  impl_->sums_capacity = 0;
-  check(cudaMalloc(&impl_->sums, needed * sizeof(double)), "reserve");
-  impl_->sums_capacity = needed;
+  const std::size_t sums = kernels::sum_tree_size(values), tiles = kernels::top_k_tiles(values);
+  if (sums <= impl_->sums_capacity && tiles <= impl_->tiles_capacity) return;
+  check(cudaStreamSynchronize(impl_->stream), "reserve");  // the old scratch may still be in use
+  grow(impl_->sums, impl_->sums_capacity, sums);
+  grow(impl_->tile_counts, impl_->tiles_capacity, tiles);
 }
 
 std::size_t encode(const compression::Fp16&, compression::Fp16::State&, const float* in, std::size_t n, std::byte* out,
@@ -312,6 +340,38 @@ void decode(const compression::RandomK& codec, const std::byte* in, std::size_t 
   const std::size_t k = codec.keep.of(n);
   check_device_header(in, bytes, compression::CodecId::random_k, "random-k", n, 8 + 4 * k, stream);
   check(kernels::decode_random_k(in, n, k, out, mode == DecodeMode::add, stream.native()), "decode");
+}
+
+namespace {
+// `residual`: error feedback, `in` being the residual that already holds p (kernels.hpp).
+std::size_t encode_top_k(const compression::TopK& codec, const float* in, float* residual, std::size_t n,
+                         std::byte* out, Stream& stream) {
+  use(stream);
+  stream.reserve(n);
+  check(kernels::encode_top_k(in, residual, n, codec.keep.of(n), out, header_word(compression::CodecId::top_k, n),
+                              stream.impl().top_k, stream.impl().tile_counts, stream.native()),
+        "encode");
+  return codec.max_encoded_bytes(n, DType::f32);
+}
+}  // namespace
+
+std::size_t encode(const compression::TopK& codec, compression::TopK::State&, const float* in, std::size_t n,
+                   std::byte* out, Stream& stream) {
+  return encode_top_k(codec, in, nullptr, n, out, stream);
+}
+std::size_t encode_with_feedback(const compression::TopK& codec, compression::TopK::State&, const float* in,
+                                 float* residual, std::size_t n, std::byte* out, Stream& stream) {
+  accumulate(residual, in, n, stream);
+  return encode_top_k(codec, residual, residual, n, out, stream);
+}
+void decode(const compression::TopK& codec, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
+            DecodeMode mode, Stream& stream) {
+  use(stream);
+  const std::size_t k = codec.keep.of(n);
+  check(kernels::decode_top_k(in, n, k, out, mode == DecodeMode::add,
+                              expected_header(bytes, compression::CodecId::top_k, "top-k", n, 4 + 8 * k),
+                              stream.impl().top_k, stream.impl().check_device, stream.native()),
+        "decode");
 }
 
 void accumulate(float* residual, const float* in, std::size_t n, Stream& stream) {

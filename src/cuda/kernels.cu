@@ -6,6 +6,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -221,7 +224,7 @@ __global__ void pack(std::size_t n, std::byte* out, std::uint64_t header, const 
 // `vector`: out is 16-byte aligned.
 template <unsigned Bits, class Value>
 __global__ void unpack(const std::byte* in, std::size_t n, float* out, bool add, bool vector, Value value,
-                       std::uint64_t header, HeaderCheck* check) {
+                       std::uint64_t header, DecodeCheck* check) {
   using Codes = compression::PackedCodes<Bits>;
   static_assert(Codes::per_word % per_thread == 0);
   const std::size_t q = thread_index(), first = q * per_thread;
@@ -234,7 +237,7 @@ __global__ void unpack(const std::byte* in, std::size_t n, float* out, bool add,
       check->found = found;
       check->expected = header;
       __threadfence_system();
-      check->failed = 1;
+      check->failed = DecodeCheck::header;
     }
     return;
   }
@@ -261,7 +264,7 @@ int pack_on(std::size_t n, std::byte* out, std::uint64_t header, const float* de
 
 template <unsigned Bits, class Value>
 int unpack_on(const std::byte* in, std::size_t n, float* out, bool add, Value value, std::uint64_t header,
-              HeaderCheck* check, void* stream) {
+              DecodeCheck* check, void* stream) {
   if (n == 0) return 0;
   unpack<Bits><<<blocks_for_quads(n), threads, 0, native(stream)>>>(in, n, out, add, aligned(out, 16), value, header,
                                                                      check);
@@ -356,6 +359,196 @@ __global__ void scatter_random_k(const std::byte* in, std::size_t n, std::size_t
   const std::uint64_t key = *reinterpret_cast<const std::uint64_t*>(in + compression::header_bytes);
   const std::size_t i = q::stratum_index(key, j, n, k);  // strata: no two j share an i
   out[i] = numeric::add_rn(out[i], reinterpret_cast<const float*>(in + compression::header_bytes + 8)[j]);
+}
+
+// --- TopK (layout: header, u32 k, k u32 indices ascending, k f32 values) ---
+
+// The selection is top_k.hpp's, pass for pass: every pass counts the keys that match the digits
+// chosen so far into a histogram (integer counts: the atomics' order cannot change them), then
+// one block finds the digit that holds the last wanted key (quantize::top_k_holds, every digit at
+// once over a scan of the counts from the largest digit down), takes it (quantize::top_k_take)
+// and clears the histogram for the next pass. The cut never leaves the device.
+__global__ void top_k_start(std::size_t k, std::byte* out, std::uint64_t header, TopKScratch* scratch) {
+  if (threadIdx.x == 0) {
+    write_header(out, header);
+    *reinterpret_cast<std::uint32_t*>(out + compression::header_bytes) = static_cast<std::uint32_t>(k);
+    scratch->cut = q::TopKCut{0, 0, k};
+  }
+  for (unsigned d = threadIdx.x; d < q::top_k_max_digits; d += blockDim.x) scratch->histogram[d] = 0;
+}
+
+// A bounded grid striding over the values, each block counting in shared memory first.
+__global__ void top_k_histogram(const float* values, std::size_t n, unsigned pass, TopKScratch* scratch) {
+  __shared__ std::uint32_t counts[q::top_k_max_digits];
+  const std::uint32_t digits = q::top_k_digits(pass);
+  for (unsigned d = threadIdx.x; d < digits; d += blockDim.x) counts[d] = 0;
+  __syncthreads();
+  const q::TopKCut cut = scratch->cut;
+  for (std::size_t i = thread_index(); i < n; i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint32_t key = q::magnitude_key(values[i]);
+    if (q::top_k_matches(key, cut)) atomicAdd(&counts[q::top_k_digit(key, pass)], 1u);
+  }
+  __syncthreads();
+  for (unsigned d = threadIdx.x; d < digits; d += blockDim.x)
+    if (counts[d] != 0) atomicAdd(&scratch->histogram[d], counts[d]);
+}
+
+constexpr unsigned choose_threads = 1024;
+constexpr unsigned digits_per_thread = q::top_k_max_digits / choose_threads;
+
+__global__ void choose_digit(unsigned pass, TopKScratch* scratch) {
+  using Scan = cub::BlockScan<std::uint64_t, choose_threads>;
+  __shared__ typename Scan::TempStorage storage;
+  const std::uint32_t digits = q::top_k_digits(pass);
+  const q::TopKCut cut = scratch->cut;
+  std::uint64_t count[digits_per_thread], above[digits_per_thread];
+  for (unsigned j = 0; j < digits_per_thread; ++j) {
+    const std::uint32_t rank = threadIdx.x * digits_per_thread + j;  // 0: the largest digit
+    count[j] = rank < digits ? scratch->histogram[digits - 1 - rank] : 0;
+  }
+  Scan(storage).ExclusiveSum(count, above);  // the keys in larger digits
+  for (unsigned j = 0; j < digits_per_thread; ++j) {
+    const std::uint32_t rank = threadIdx.x * digits_per_thread + j;
+    if (rank < digits && q::top_k_holds(above[j], count[j], cut.wanted)) {  // one digit in all
+      q::TopKCut chosen = cut;
+      q::top_k_take(chosen, pass, digits - 1 - rank, above[j]);
+      scratch->cut = chosen;
+    }
+  }
+  __syncthreads();  // every count is read
+  for (unsigned d = threadIdx.x; d < q::top_k_max_digits; d += blockDim.x) scratch->histogram[d] = 0;
+}
+
+// Then the picks, in index order. A value is kept if its key is above the cut, or equal to it
+// with fewer than `wanted` equal keys before it (the CPU's single pass keeps the lowest-indexed);
+// its place in the list is the number kept before it: the keys above the cut before it plus
+// min(equal keys before it, wanted). So every tile of values counts both, packed in one u64
+// (above << 32 | equal: n < 2^32, so the low half never carries), one block scans the tiles'
+// counts, and every tile scans its threads' counts again and writes its picks.
+constexpr unsigned top_k_items = 8;  // consecutive values a thread, when writing
+constexpr std::size_t top_k_tile = threads * top_k_items;
+constexpr unsigned scan_threads = 1024;
+constexpr std::uint64_t equal_mask = 0xffffffffu;
+
+__device__ std::uint64_t above_or_equal(std::uint32_t key, std::uint32_t cut) {
+  return key > cut ? std::uint64_t{1} << 32 : key == cut ? 1u : 0u;
+}
+
+// A tile's counts (any order of its values will do here: they are summed).
+__global__ void top_k_count(const float* values, std::size_t n, const TopKScratch* scratch,
+                            std::uint64_t* tile_counts) {
+  using Reduce = cub::BlockReduce<std::uint64_t, threads>;
+  __shared__ typename Reduce::TempStorage storage;
+  const std::uint32_t cut = scratch->cut.prefix;
+  std::uint64_t counts = 0;
+  for (unsigned j = 0; j < top_k_items; ++j) {
+    const std::size_t i = blockIdx.x * top_k_tile + j * threads + threadIdx.x;  // coalesced
+    if (i < n) counts += above_or_equal(q::magnitude_key(values[i]), cut);
+  }
+  const std::uint64_t total = Reduce(storage).Sum(counts);
+  if (threadIdx.x == 0) tile_counts[blockIdx.x] = total;
+}
+
+// The tiles' counts into the counts before each tile (exclusive), in place, by one block.
+__global__ void top_k_scan(std::uint64_t* tile_counts, std::size_t tiles) {
+  using Scan = cub::BlockScan<std::uint64_t, scan_threads>;
+  __shared__ typename Scan::TempStorage storage;
+  std::uint64_t carry = 0;
+  for (std::size_t base = 0; base < tiles; base += scan_threads) {
+    const std::size_t t = base + threadIdx.x;
+    std::uint64_t before = t < tiles ? tile_counts[t] : 0, total = 0;
+    Scan(storage).ExclusiveSum(before, before, total);
+    if (t < tiles) tile_counts[t] = carry + before;
+    carry += total;
+    __syncthreads();  // the scan's storage is used again
+  }
+}
+
+// `residual`: error feedback (values is the residual, holding p): a kept value leaves -(-p + p)
+// behind, the CPU's encode_keeping_error step; a dropped one stays p.
+__global__ void top_k_emit(const float* values, std::size_t n, std::size_t k, const TopKScratch* scratch,
+                           const std::uint64_t* tile_counts, std::byte* out, float* residual) {
+  using Scan = cub::BlockScan<std::uint64_t, threads>;
+  __shared__ typename Scan::TempStorage storage;
+  const q::TopKCut cut = scratch->cut;
+  const std::size_t first = blockIdx.x * top_k_tile + threadIdx.x * top_k_items;
+  float p[top_k_items];
+  std::uint64_t counts = 0;
+  for (unsigned j = 0; j < top_k_items; ++j) {
+    p[j] = first + j < n ? values[first + j] : 0.0f;
+    if (first + j < n) counts += above_or_equal(q::magnitude_key(p[j]), cut.prefix);
+  }
+  Scan(storage).ExclusiveSum(counts, counts);
+  counts += tile_counts[blockIdx.x];
+  std::uint64_t above = counts >> 32, equal = counts & equal_mask;
+  auto* index = reinterpret_cast<std::uint32_t*>(out + compression::header_bytes + 4);
+  auto* value = reinterpret_cast<float*>(index + k);
+  for (unsigned j = 0; j < top_k_items && first + j < n; ++j) {
+    const std::uint32_t key = q::magnitude_key(p[j]);
+    if (key > cut.prefix || (key == cut.prefix && equal < cut.wanted)) {
+      const std::uint64_t at = above + (equal < cut.wanted ? equal : cut.wanted);
+      index[at] = static_cast<std::uint32_t>(first + j);
+      value[at] = p[j];
+      if (residual) residual[first + j] = -numeric::add_rn(-p[j], p[j]);
+    }
+    above += key > cut.prefix;
+    equal += key == cut.prefix;
+  }
+}
+
+// A decode checks everything first, as the CPU does: the first fault (in this order: the header
+// at 0, the count at 1, then index j at 2 + j) is kept, and the kernels that write do nothing
+// once there is one. The last of them reports it.
+constexpr std::uint64_t no_fault = ~std::uint64_t{0};
+
+__device__ void note_fault(TopKScratch* scratch, std::uint64_t order) {
+  atomicMin(reinterpret_cast<unsigned long long*>(&scratch->first_fault), static_cast<unsigned long long>(order));
+}
+
+__global__ void top_k_check(const std::byte* in, std::size_t n, std::size_t k, std::uint64_t header,
+                            TopKScratch* scratch) {
+  const std::size_t j = thread_index();
+  if (j == 0) {
+    if (*reinterpret_cast<const std::uint64_t*>(in) != header) note_fault(scratch, 0);
+    if (*reinterpret_cast<const std::uint32_t*>(in + compression::header_bytes) != k) note_fault(scratch, 1);
+  }
+  if (j >= k) return;
+  const auto* index = reinterpret_cast<const std::uint32_t*>(in + compression::header_bytes + 4);
+  if (index[j] >= n || (j > 0 && index[j] <= index[j - 1])) note_fault(scratch, 2 + j);
+}
+
+__global__ void top_k_clear(float* out, std::size_t n, const TopKScratch* scratch) {
+  const std::size_t i = thread_index();
+  if (i < n && scratch->first_fault == no_fault) out[i] = 0.0f;
+}
+
+__global__ void top_k_scatter(const std::byte* in, std::size_t n, std::size_t k, float* out, std::uint64_t header,
+                              const TopKScratch* scratch, DecodeCheck* check) {
+  const std::size_t j = thread_index();
+  const std::uint64_t fault = scratch->first_fault;
+  const auto* index = reinterpret_cast<const std::uint32_t*>(in + compression::header_bytes + 4);
+  if (fault == no_fault) {
+    // Indices strictly ascending: no two j add to one value. 0 + v on overwrite, as the CPU's.
+    if (j < k) out[index[j]] = numeric::add_rn(out[index[j]], reinterpret_cast<const float*>(index + k)[j]);
+    return;
+  }
+  if (j != 0) return;
+  unsigned failed = DecodeCheck::header;
+  if (fault == 0) {
+    check->found = *reinterpret_cast<const std::uint64_t*>(in);
+    check->expected = header;
+  } else if (fault == 1) {
+    check->found = *reinterpret_cast<const std::uint32_t*>(in + compression::header_bytes);
+    check->expected = k;
+    failed = DecodeCheck::count;
+  } else {
+    check->position = fault - 2;
+    check->found = index[fault - 2];
+    check->expected = n;
+    failed = DecodeCheck::index;
+  }
+  __threadfence_system();
+  check->failed = failed;
 }
 
 // --- element-wise ---
@@ -471,16 +664,16 @@ int encode_terngrad(unsigned bits, const float* in, std::size_t n, std::byte* ou
   }
 }
 
-int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
                    void* stream) {
   return unpack_on<2>(in, n, out, add, TwoBitValue{}, header, check, stream);
 }
-int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
                    void* stream) {
   return unpack_on<1>(in, n, out, add, SignValue{}, header, check, stream);
 }
 int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header,
-                    HeaderCheck* check, void* stream) {
+                    DecodeCheck* check, void* stream) {
   switch (bits) {
     case 2: return unpack_on<2>(in, n, out, add, TernaryValue<2>{}, header, check, stream);
     case 4: return unpack_on<4>(in, n, out, add, TernaryValue<4>{}, header, check, stream);
@@ -506,6 +699,35 @@ int decode_random_k(const std::byte* in, std::size_t n, std::size_t k, float* ou
     if (const auto status = cudaMemsetAsync(out, 0, n * sizeof(float), native(stream))) return static_cast<int>(status);
   if (k == 0) return 0;
   scatter_random_k<<<blocks_for(k), threads, 0, native(stream)>>>(in, n, k, out);
+  return launched();
+}
+
+std::size_t top_k_tiles(std::size_t n) { return (n + top_k_tile - 1) / top_k_tile; }
+
+int encode_top_k(const float* in, float* residual, std::size_t n, std::size_t k, std::byte* out, std::uint64_t header,
+                 TopKScratch* scratch, std::uint64_t* tile_counts, void* stream) {
+  const cudaStream_t s = native(stream);
+  top_k_start<<<1, threads, 0, s>>>(k, out, header, scratch);
+  if (k == 0) return launched();
+  for (unsigned pass = 0; pass < q::top_k_passes; ++pass) {
+    top_k_histogram<<<std::min(blocks_for(n), max_blocks), threads, 0, s>>>(in, n, pass, scratch);
+    choose_digit<<<1, choose_threads, 0, s>>>(pass, scratch);
+  }
+  const auto tiles = static_cast<unsigned>(top_k_tiles(n));
+  top_k_count<<<tiles, threads, 0, s>>>(in, n, scratch, tile_counts);
+  top_k_scan<<<1, scan_threads, 0, s>>>(tile_counts, tiles);
+  top_k_emit<<<tiles, threads, 0, s>>>(in, n, k, scratch, tile_counts, out, residual);
+  return launched();
+}
+
+int decode_top_k(const std::byte* in, std::size_t n, std::size_t k, float* out, bool add, std::uint64_t header,
+                 TopKScratch* scratch, DecodeCheck* check, void* stream) {
+  const cudaStream_t s = native(stream);
+  if (const auto status = cudaMemsetAsync(&scratch->first_fault, 0xff, sizeof scratch->first_fault, s))
+    return static_cast<int>(status);
+  top_k_check<<<blocks_for(k), threads, 0, s>>>(in, n, k, header, scratch);
+  if (!add && n > 0) top_k_clear<<<blocks_for(n), threads, 0, s>>>(out, n, scratch);
+  top_k_scatter<<<blocks_for(k), threads, 0, s>>>(in, n, k, out, header, scratch, check);
   return launched();
 }
 

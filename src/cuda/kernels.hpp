@@ -6,16 +6,20 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gradsync/compression/quantize.hpp"
+
 namespace gradsync::cuda::kernels {
 
-// Where a decode kernel reports an encoding whose header is not the one expected, so that the
-// host need not copy the header back and wait before decoding: page-locked host memory the
-// kernels write through (cudaHostAllocMapped), read after the stream's next synchronization.
-// The kernel that finds a mismatch writes nothing else; `failed` is set last.
-struct HeaderCheck {
-  std::uint64_t found;
-  std::uint64_t expected;
-  unsigned failed;
+// Where a decode kernel reports an encoding it refuses, so that the host need not copy the
+// encoding's header back and wait before decoding: page-locked host memory the kernels write
+// through (cudaHostAllocMapped), read after the stream's next synchronization. The decode that
+// finds a fault writes nothing else; `failed` is set last, to the fault's kind.
+struct DecodeCheck {
+  enum Fault : unsigned { none = 0, header = 1, count = 2, index = 3 };
+  std::uint64_t found;     // header: the header word found; count: the count; index: the index
+  std::uint64_t expected;  // header: the word expected; count: the codec's k; index: the values
+  std::uint64_t position;  // index: where in the encoding's list of indices
+  unsigned failed;         // a Fault
 };
 
 int encode_f16(const float* in, std::size_t n, std::uint16_t* out, void* stream);
@@ -40,12 +44,12 @@ int encode_one_bit_keeping_error(const float* in, float* residual, std::size_t n
                                  double* sums, float* scale, void* stream);
 // Packed decodes compare the encoding's first 8 bytes with `header` on the device, reporting a
 // mismatch to `check` (the device's view of it) instead of decoding.
-int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
                    void* stream);
-int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, HeaderCheck* check,
+int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
                    void* stream);
 int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header,
-                    HeaderCheck* check, void* stream);
+                    DecodeCheck* check, void* stream);
 
 int encode_random_k(const float* in, std::size_t n, std::size_t k, std::uint64_t key, std::byte* out,
                     std::uint64_t header, void* stream);
@@ -53,6 +57,26 @@ int encode_random_k(const float* in, std::size_t n, std::size_t k, std::uint64_t
 int encode_random_k_keeping_error(const float* in, float* residual, std::size_t n, std::size_t k, std::uint64_t key,
                                   std::byte* out, std::uint64_t header, void* stream);
 int decode_random_k(const std::byte* in, std::size_t n, std::size_t k, float* out, bool add, void* stream);
+
+// TopK (layout: header, u32 k, k u32 indices ascending, k f32 values), selecting as the CPU does
+// (quantize::top_k_holds and top_k_take) with the device's scratch below, the host waiting for
+// nothing.
+// Per stream: the selection's state and histogram, and where a decode notes its first fault.
+struct TopKScratch {
+  compression::quantize::TopKCut cut;
+  std::uint32_t histogram[compression::quantize::top_k_max_digits];
+  std::uint64_t first_fault;  // the first fault a decode found (kernels.cu says in what order); ~0: none
+};
+// The tiles an encode of n values counts its picks in: one u64 of scratch each (`tile_counts`).
+std::size_t top_k_tiles(std::size_t n);
+// `residual`: error feedback, with `in` the residual already holding p = residual + in; a kept
+// value leaves -(-p + p) there, a dropped one p (sparse.hpp's encode_keeping_error).
+int encode_top_k(const float* in, float* residual, std::size_t n, std::size_t k, std::byte* out, std::uint64_t header,
+                 TopKScratch* scratch, std::uint64_t* tile_counts, void* stream);
+// Checks the header, the count and every index (in range, strictly ascending) on the device
+// before anything is written, reporting the first fault to `check`.
+int decode_top_k(const std::byte* in, std::size_t n, std::size_t k, float* out, bool add, std::uint64_t header,
+                 TopKScratch* scratch, DecodeCheck* check, void* stream);
 
 int accumulate(float* residual, const float* in, std::size_t n, void* stream);
 int negate(float* values, std::size_t n, void* stream);

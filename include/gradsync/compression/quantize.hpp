@@ -111,4 +111,41 @@ GRADSYNC_HD std::uint64_t stratum_index(std::uint64_t key, std::uint64_t j, std:
 // above infinity).
 GRADSYNC_HD std::uint32_t magnitude_key(float v) { return numeric::bits_of(v) & 0x7fffffffu; }
 
+// TopK's radix select over those 31-bit keys, from the top digit down: bits 30..20, 19..10 and
+// 9..0. Each pass counts, among the keys that match the digits chosen so far, how many have each
+// value of the next digit; top_k_holds() then finds that digit and top_k_take() fixes it. The CPU
+// runs the passes in a loop, the device as kernels, so both find the same cut.
+inline constexpr unsigned top_k_passes = 3;
+inline constexpr std::uint32_t top_k_max_digits = 2048;
+GRADSYNC_HD unsigned top_k_shift(unsigned pass) { return pass == 0 ? 20u : pass == 1 ? 10u : 0u; }
+GRADSYNC_HD std::uint32_t top_k_digits(unsigned pass) { return pass == 0 ? 2048u : 1024u; }
+
+// Where the selection stands: the digits chosen (`prefix`, under `mask`) and how many of the keys
+// that match them are still to be kept. After the last pass, `prefix` is the k-th largest key and
+// `wanted` the number of keys equal to it that are kept (the lowest-indexed).
+struct TopKCut {
+  std::uint32_t prefix = 0;
+  std::uint32_t mask = 0;
+  std::uint64_t wanted = 0;
+};
+
+GRADSYNC_HD bool top_k_matches(std::uint32_t key, const TopKCut& cut) { return (key & cut.mask) == cut.prefix; }
+GRADSYNC_HD std::uint32_t top_k_digit(std::uint32_t key, unsigned pass) {
+  return (key >> top_k_shift(pass)) & (top_k_digits(pass) - 1u);
+}
+
+// After a pass, the digits from the largest down hold the matching keys in turn; the digit that
+// holds the last wanted key is the one whose count, with the `above` keys of larger digits,
+// reaches `wanted` (exactly one does, as 1 <= wanted <= the matching keys). The CPU walks the
+// digits down to it; the device asks every digit at once.
+GRADSYNC_HD bool top_k_holds(std::uint64_t above, std::uint64_t count, std::uint64_t wanted) {
+  return above < wanted && wanted <= above + count;
+}
+// That digit joins the prefix, and the keys above it are no longer wanted from the matching ones.
+GRADSYNC_HD void top_k_take(TopKCut& cut, unsigned pass, std::uint32_t digit, std::uint64_t above) {
+  cut.prefix |= digit << top_k_shift(pass);
+  cut.mask |= (top_k_digits(pass) - 1u) << top_k_shift(pass);
+  cut.wanted -= above;
+}
+
 }  // namespace gradsync::compression::quantize

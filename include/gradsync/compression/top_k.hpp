@@ -6,7 +6,8 @@
 // Which k: magnitudes compare as the bits of |v| in f32 (quantize::magnitude_key); among equal
 // magnitudes the lower index wins, so the choice is a pure function of the input. It is found
 // by a radix select over those 31-bit keys (three histogram passes, no sort and no scratch the
-// size of the input), then one pass emits the indices in ascending order.
+// size of the input; its steps are in quantize.hpp, shared with the device's kernels), then one
+// pass emits the indices in ascending order.
 //
 // Encoded: the 8-byte header (checks.hpp, codec 6), u32 k, k u32 indices strictly ascending,
 // k f32 values. Decoding checks k against the codec's own Keep and every index against the
@@ -48,23 +49,20 @@ struct TopK {
 
   template <class T>
   static Cut select(std::span<const T> values, std::size_t k) {
-    constexpr std::array<unsigned, 3> shifts{20, 10, 0};  // digits: key bits 30..20, 19..10, 9..0
-    std::array<std::uint32_t, 2048> histogram;
-    std::uint32_t prefix = 0, prefix_mask = 0;
-    std::size_t wanted = k;  // how many of the values matching `prefix` are still to be taken
-    for (unsigned shift : shifts) {
-      const std::uint32_t digits = shift == 20 ? 2048u : 1024u;
+    std::array<std::uint32_t, quantize::top_k_max_digits> histogram;
+    quantize::TopKCut cut{.wanted = k};
+    for (unsigned pass = 0; pass < quantize::top_k_passes; ++pass) {
       histogram.fill(0);
       for (T v : values) {
         const std::uint32_t key = quantize::magnitude_key(static_cast<float>(v));
-        histogram[(key >> shift) & (digits - 1)] += (key & prefix_mask) == prefix;
+        histogram[quantize::top_k_digit(key, pass)] += quantize::top_k_matches(key, cut);
       }
-      std::uint32_t digit = digits - 1;
-      while (histogram[digit] < wanted) wanted -= histogram[digit--];
-      prefix |= digit << shift;
-      prefix_mask |= (digits - 1) << shift;
+      std::uint32_t digit = quantize::top_k_digits(pass) - 1;
+      std::uint64_t above = 0;
+      while (!quantize::top_k_holds(above, histogram[digit], cut.wanted)) above += histogram[digit--];
+      quantize::top_k_take(cut, pass, digit, above);
     }
-    return {prefix, wanted};
+    return {cut.prefix, static_cast<std::size_t>(cut.wanted)};
   }
 
   template <class T>

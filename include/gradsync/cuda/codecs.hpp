@@ -11,14 +11,15 @@
 // encoding's size against the destination on the host at once, and its header (codec, format,
 // count) on the device: the kernel that meets a wrong header writes nothing and the stream's next
 // synchronize() throws Error(protocol) saying what it found. So a decode never waits for the host
-// to read the header, except RandomK's and those of no values, which still do. Inputs produced on another stream must be
+// to read the header, except RandomK's and the packed codecs' of no values, which still do. TopK's
+// decode checks every index on the device too before it writes. Inputs produced on another stream must be
 // ordered before these calls by the caller (an event). Encodings must start at 8-byte-aligned
 // device addresses (cudaMalloc gives 256). Results are bit-identical to the CPU codecs' except
 // for the payload and sign of NaNs, which the device canonicalizes.
 //
-// f32 values only. Covered: Fp16, Bf16, TwoBit, OneBit, TernGrad<Bits>, RandomK, and ErrorFeedback
-// over any of them (the residual is a device buffer of n floats, zeroed by the caller). TopK has
-// no device path yet.
+// f32 values only. Covered: every codec (Fp16, Bf16, TwoBit, OneBit, TernGrad<Bits>, TopK,
+// RandomK), and ErrorFeedback over any of them (the residual is a device buffer of n floats,
+// zeroed by the caller).
 
 #include <cstddef>
 #include <memory>
@@ -28,6 +29,7 @@
 #include "gradsync/compression/one_bit.hpp"
 #include "gradsync/compression/random_k.hpp"
 #include "gradsync/compression/terngrad.hpp"
+#include "gradsync/compression/top_k.hpp"
 #include "gradsync/compression/two_bit.hpp"
 #include "gradsync/concepts.hpp"
 
@@ -91,6 +93,10 @@ std::size_t encode(const compression::TernGrad<Bits>&, typename compression::Ter
                    std::size_t n, std::byte* out, Stream&);
 std::size_t encode(const compression::RandomK&, compression::RandomK::State&, const float* in, std::size_t n,
                    std::byte* out, Stream&);
+// TopK selects as the CPU does (its radix select's passes as kernels, the cut kept on the device)
+// and writes the picks in index order.
+std::size_t encode(const compression::TopK&, compression::TopK::State&, const float* in, std::size_t n, std::byte* out,
+                   Stream&);
 
 // Decodes `bytes` bytes at `in` (device memory) into n values at `out`, adding or overwriting.
 void decode(const compression::Fp16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n, DecodeMode,
@@ -106,6 +112,8 @@ void decode(const compression::TernGrad<Bits>&, const std::byte* in, std::size_t
             DecodeMode, Stream&);
 void decode(const compression::RandomK&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode, Stream&);
+void decode(const compression::TopK&, const std::byte* in, std::size_t bytes, float* out, std::size_t n, DecodeMode,
+            Stream&);
 
 // residual[i] += in[i] (the first step of error feedback), on the stream.
 void accumulate(float* residual, const float* in, std::size_t n, Stream&);
@@ -124,13 +132,15 @@ void fill_zero(void* device, std::size_t bytes, Stream&);
 void copy(void* to, const void* from, std::size_t bytes, Stream&);
 
 // ErrorFeedback on the device: encodes in + residual into `out` and leaves in residual what the
-// encoding cut off, bit for bit as ErrorFeedback<C> on the CPU. TwoBit, OneBit and RandomK in
-// fused kernels, as their CPU encode_keeping_error (non-templates: chosen over the generic steps).
+// encoding cut off, bit for bit as ErrorFeedback<C> on the CPU. TwoBit, OneBit, RandomK and TopK
+// in fused kernels, as their CPU encode_keeping_error (non-templates: chosen over the generic steps).
 std::size_t encode_with_feedback(const compression::TwoBit&, compression::TwoBit::State&, const float* in,
                                  float* residual, std::size_t n, std::byte* out, Stream&);
 std::size_t encode_with_feedback(const compression::OneBit&, compression::OneBit::State&, const float* in,
                                  float* residual, std::size_t n, std::byte* out, Stream&);
 std::size_t encode_with_feedback(const compression::RandomK&, compression::RandomK::State&, const float* in,
+                                 float* residual, std::size_t n, std::byte* out, Stream&);
+std::size_t encode_with_feedback(const compression::TopK&, compression::TopK::State&, const float* in,
                                  float* residual, std::size_t n, std::byte* out, Stream&);
 
 // The other codecs (TernGrad): the CPU decorator's generic steps: residual += in; encode the

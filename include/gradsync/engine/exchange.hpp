@@ -34,7 +34,7 @@
 // division for the average. The transport orders its transfers after what is queued on that
 // stream, so a send follows its encode without the host waiting; the host waits only for
 // receives (and the task graph not even there). A step's compute time is the time to queue its
-// kernels. f32 buckets only, and codecs with a device path (not TopK); the constructor says so
+// kernels. f32 buckets only, and codecs with a device path (every codec has one); the constructor says so
 // otherwise.
 
 #include <algorithm>
