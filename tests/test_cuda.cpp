@@ -6,10 +6,13 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <span>
+#include <vector>
 
 #include "cuda/numeric_kernels.hpp"
 #include "gradsync/compression/error_feedback.hpp"
@@ -28,6 +31,14 @@ const bool no_device = [] {
 }();
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+// The same bits, or both NaN: where the device computes a NaN it writes the canonical one.
+bool same_value(float a, float b) { return same_bits(a, b) || (std::isnan(a) && std::isnan(b)); }
+// Where two runs of values first differ by same_value, or -1 (one check for millions of values).
+std::ptrdiff_t first_difference(std::span<const float> a, std::span<const float> b) {
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!same_value(a[i], b[i])) return static_cast<std::ptrdiff_t>(i);
+  return a.size() == b.size() ? -1 : static_cast<std::ptrdiff_t>(a.size());
+}
 
 // Device memory holding a copy of a host vector, and back.
 template <class T>
@@ -255,29 +266,65 @@ TEST_SUITE("cuda") {
   }
 
   // Values of few magnitudes, so that the k-th largest is shared by many spread over many tiles:
-  // the device must keep the same lowest-indexed ones the CPU keeps.
+  // the device must keep the same lowest-indexed ones the CPU keeps, with and without error
+  // feedback, and decode them to the same bits. The larger run takes more tiles than one block of
+  // the tile scan covers and more values than one pass of the histogram's grid, among them
+  // infinities, NaNs, zeros of both signs and denormals.
   TEST_CASE("TopK on the device keeps the CPU's picks among equal magnitudes" * doctest::skip(no_device)) {
-    const std::size_t n = 100003;
-    std::vector<float> in(n);
-    for (std::size_t i = 0; i < n; ++i)
-      in[i] = static_cast<float>(static_cast<int>((i * 7919) % 9) - 4) * 0.25f;  // 0, ±0.25 .. ±1, each ~n/9 times
-    in[n / 2] = 3.0f;
-    in[n - 1] = -3.0f;
-    const DeviceVector<float> device_in(in);
-    cuda::Stream stream;
-    // k: all of the largest, inside a group of equals, a whole group, everything.
-    for (std::size_t k : {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{5000}, 2 + 2 * (n / 9),
-                          std::size_t{60000}, n}) {
-      CAPTURE(k);
-      const compression::TopK codec{.keep = {.count = k}};
-      compression::TopK::State state;
-      std::vector<std::byte> host_bytes(codec.max_encoded_bytes(n, DType::f32));
-      const std::size_t used = codec.encode(std::span<const float>(in), state, host_bytes);
-      DeviceVector<std::byte> device_bytes(host_bytes.size());
-      REQUIRE(cuda::encode(codec, state, device_in.data, n, device_bytes.data, stream) == used);
-      stream.synchronize();
-      const auto encoded = device_bytes.host();
-      REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), used) == 0);
+    for (std::size_t n : {std::size_t{100003}, std::size_t{3000017}}) {
+      std::vector<float> in(n);
+      for (std::size_t i = 0; i < n; ++i)
+        in[i] = static_cast<float>(static_cast<int>((i * 7919) % 9) - 4) * 0.25f;  // 0, ±0.25 .. ±1, n/9 each
+      in[n / 2] = 3.0f;
+      in[n - 1] = -3.0f;
+      if (n > 1000000)
+        for (std::size_t i = 0; i < n; i += 4099)
+          in[i] = std::array{std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::quiet_NaN(),
+                             -0.0f, std::numeric_limits<float>::denorm_min(), 1.0f}[(i / 4099) % 5];
+      const DeviceVector<float> device_in(in);
+      cuda::Stream stream;
+      // k: the largest alone, into the equals, and on to everything.
+      for (std::size_t k : {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{5000}, 2 * (n / 9),
+                            6 * (n / 10), n}) {
+        CAPTURE(n);
+        CAPTURE(k);
+        const compression::TopK codec{.keep = {.count = k}};
+        compression::TopK::State state;
+        std::vector<std::byte> host_bytes(codec.max_encoded_bytes(n, DType::f32));
+        const std::size_t used = codec.encode(std::span<const float>(in), state, host_bytes);
+        DeviceVector<std::byte> device_bytes(host_bytes.size());
+        REQUIRE(cuda::encode(codec, state, device_in.data, n, device_bytes.data, stream) == used);
+        stream.synchronize();
+        REQUIRE(std::memcmp(device_bytes.host().data(), host_bytes.data(), used) == 0);
+
+        std::vector<float> host_out(n);
+        codec.decode(host_bytes, std::span<float>(host_out), DecodeMode::overwrite);
+        DeviceVector<float> device_out(n);
+        cuda::decode(codec, device_bytes.data, used, device_out.data, n, DecodeMode::overwrite, stream);
+        stream.synchronize();
+        const auto decoded = device_out.host();
+        REQUIRE(first_difference(decoded, host_out) == -1);
+
+        // Twice with error feedback: the second selection runs over what the first left behind.
+        // p = residual + g is computed, so a NaN among the values sent may differ in its bits.
+        const compression::ErrorFeedback<compression::TopK> decorated{codec};
+        auto host_state = decorated.make_state(n, DType::f32);
+        DeviceVector<float> residual(std::vector<float>(n, 0.0f));
+        for (int step = 0; step < 2; ++step) {
+          REQUIRE(decorated.encode(std::span<const float>(in), host_state, host_bytes) == used);
+          REQUIRE(cuda::encode_with_feedback(codec, state, device_in.data, residual.data, n, device_bytes.data,
+                                             stream) == used);
+          stream.synchronize();
+          const auto encoded = device_bytes.host();
+          const std::size_t values_at = compression::header_bytes + 4 + 4 * k;
+          REQUIRE(std::memcmp(encoded.data(), host_bytes.data(), values_at) == 0);  // header, count, indices
+          std::vector<float> device_values(k), host_values(k);
+          std::memcpy(device_values.data(), encoded.data() + values_at, 4 * k);
+          std::memcpy(host_values.data(), host_bytes.data() + values_at, 4 * k);
+          REQUIRE(first_difference(device_values, host_values) == -1);
+          REQUIRE(first_difference(residual.host(), host_state.residual_f32) == -1);
+        }
+      }
     }
   }
 

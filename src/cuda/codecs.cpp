@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include <fmt/format.h>
@@ -344,8 +345,16 @@ void decode(const compression::RandomK& codec, const std::byte* in, std::size_t 
 
 namespace {
 // `residual`: error feedback, `in` being the residual that already holds p (kernels.hpp).
+// Its indices are u32, and so are the kernels' counts.
+void check_top_k_run(std::size_t n, const char* operation) {
+  if (n > std::numeric_limits<std::uint32_t>::max())
+    throw Error(ErrorKind::invalid_argument, {.operation = operation},
+                fmt::format("top-k codec: a run of {} values; its indices are 32-bit", n));
+}
+
 std::size_t encode_top_k(const compression::TopK& codec, const float* in, float* residual, std::size_t n,
                          std::byte* out, Stream& stream) {
+  check_top_k_run(n, "encode");
   use(stream);
   stream.reserve(n);
   check(kernels::encode_top_k(in, residual, n, codec.keep.of(n), out, header_word(compression::CodecId::top_k, n),
@@ -366,6 +375,7 @@ std::size_t encode_with_feedback(const compression::TopK& codec, compression::To
 }
 void decode(const compression::TopK& codec, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
+  check_top_k_run(n, "decode");
   use(stream);
   const std::size_t k = codec.keep.of(n);
   check(kernels::decode_top_k(in, n, k, out, mode == DecodeMode::add,

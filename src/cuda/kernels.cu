@@ -393,7 +393,9 @@ __global__ void top_k_histogram(const float* values, std::size_t n, unsigned pas
     if (counts[d] != 0) atomicAdd(&scratch->histogram[d], counts[d]);
 }
 
-constexpr unsigned choose_threads = 1024;
+// 256 threads, as the scan below: a 1024-thread scan of u64 asks more registers than sm_90 has
+// for a block of that size, and the launch fails.
+constexpr unsigned choose_threads = 256;
 constexpr unsigned digits_per_thread = q::top_k_max_digits / choose_threads;
 
 __global__ void choose_digit(unsigned pass, TopKScratch* scratch) {
@@ -407,6 +409,7 @@ __global__ void choose_digit(unsigned pass, TopKScratch* scratch) {
     count[j] = rank < digits ? scratch->histogram[digits - 1 - rank] : 0;
   }
   Scan(storage).ExclusiveSum(count, above);  // the keys in larger digits
+  __syncthreads();  // every thread has read the cut and its counts
   for (unsigned j = 0; j < digits_per_thread; ++j) {
     const std::uint32_t rank = threadIdx.x * digits_per_thread + j;
     if (rank < digits && q::top_k_holds(above[j], count[j], cut.wanted)) {  // one digit in all
@@ -415,7 +418,6 @@ __global__ void choose_digit(unsigned pass, TopKScratch* scratch) {
       scratch->cut = chosen;
     }
   }
-  __syncthreads();  // every count is read
   for (unsigned d = threadIdx.x; d < q::top_k_max_digits; d += blockDim.x) scratch->histogram[d] = 0;
 }
 
@@ -427,7 +429,7 @@ __global__ void choose_digit(unsigned pass, TopKScratch* scratch) {
 // counts, and every tile scans its threads' counts again and writes its picks.
 constexpr unsigned top_k_items = 8;  // consecutive values a thread, when writing
 constexpr std::size_t top_k_tile = threads * top_k_items;
-constexpr unsigned scan_threads = 1024;
+constexpr unsigned scan_threads = 256;
 constexpr std::uint64_t equal_mask = 0xffffffffu;
 
 __device__ std::uint64_t above_or_equal(std::uint32_t key, std::uint32_t cut) {
@@ -485,8 +487,10 @@ __global__ void top_k_emit(const float* values, std::size_t n, std::size_t k, co
   auto* value = reinterpret_cast<float*>(index + k);
   for (unsigned j = 0; j < top_k_items && first + j < n; ++j) {
     const std::uint32_t key = q::magnitude_key(p[j]);
-    if (key > cut.prefix || (key == cut.prefix && equal < cut.wanted)) {
-      const std::uint64_t at = above + (equal < cut.wanted ? equal : cut.wanted);
+    const std::uint64_t at = above + (equal < cut.wanted ? equal : cut.wanted);
+    // `at < k` holds for every pick of a consistent cut; it keeps an inconsistent one (values
+    // changed under the encode) inside the encoding.
+    if ((key > cut.prefix || (key == cut.prefix && equal < cut.wanted)) && at < k) {
       index[at] = static_cast<std::uint32_t>(first + j);
       value[at] = p[j];
       if (residual) residual[first + j] = -numeric::add_rn(-p[j], p[j]);
@@ -706,16 +710,22 @@ std::size_t top_k_tiles(std::size_t n) { return (n + top_k_tile - 1) / top_k_til
 
 int encode_top_k(const float* in, float* residual, std::size_t n, std::size_t k, std::byte* out, std::uint64_t header,
                  TopKScratch* scratch, std::uint64_t* tile_counts, void* stream) {
+  // Each launch is checked before the next is queued: the emit must not run on a cut or counts
+  // a failed launch left unfinished.
   const cudaStream_t s = native(stream);
   top_k_start<<<1, threads, 0, s>>>(k, out, header, scratch);
-  if (k == 0) return launched();
+  if (const int status = launched(); status || k == 0) return status;
   for (unsigned pass = 0; pass < q::top_k_passes; ++pass) {
     top_k_histogram<<<std::min(blocks_for(n), max_blocks), threads, 0, s>>>(in, n, pass, scratch);
+    if (const int status = launched()) return status;
     choose_digit<<<1, choose_threads, 0, s>>>(pass, scratch);
+    if (const int status = launched()) return status;
   }
   const auto tiles = static_cast<unsigned>(top_k_tiles(n));
   top_k_count<<<tiles, threads, 0, s>>>(in, n, scratch, tile_counts);
+  if (const int status = launched()) return status;
   top_k_scan<<<1, scan_threads, 0, s>>>(tile_counts, tiles);
+  if (const int status = launched()) return status;
   top_k_emit<<<tiles, threads, 0, s>>>(in, n, k, scratch, tile_counts, out, residual);
   return launched();
 }
@@ -726,7 +736,9 @@ int decode_top_k(const std::byte* in, std::size_t n, std::size_t k, float* out, 
   if (const auto status = cudaMemsetAsync(&scratch->first_fault, 0xff, sizeof scratch->first_fault, s))
     return static_cast<int>(status);
   top_k_check<<<blocks_for(k), threads, 0, s>>>(in, n, k, header, scratch);
+  if (const int status = launched()) return status;  // nothing may write unchecked
   if (!add && n > 0) top_k_clear<<<blocks_for(n), threads, 0, s>>>(out, n, scratch);
+  if (const int status = launched()) return status;
   top_k_scatter<<<blocks_for(k), threads, 0, s>>>(in, n, k, out, header, scratch, check);
   return launched();
 }
