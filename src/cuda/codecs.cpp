@@ -19,10 +19,15 @@ namespace gradsync::cuda {
 
 namespace {
 
+// A failed call's error stays as the thread's last error (cudaGetLastError) until read: it is
+// cleared here, so that a later launch's check (kernels.cu reads the last error) reports only
+// its own.
 void check(int status, const char* operation) {
-  if (status != cudaSuccess)
+  if (status != cudaSuccess) {
+    cudaGetLastError();
     throw Error(ErrorKind::internal, {.operation = operation},
                 fmt::format("CUDA: {}", cudaGetErrorString(static_cast<cudaError_t>(status))));
+  }
 }
 
 // The 8 header bytes as the little-endian word the kernels write.
@@ -62,8 +67,15 @@ std::string describe_header(std::uint64_t word) {
 }
 
 // Makes the stream's device current on the calling thread (which may not be the one that made
-// the stream: a Synchronizer's communication thread, say).
-void use(const Stream& stream) { check(cudaSetDevice(stream.device()), "set device"); }
+// the stream: a Synchronizer's communication thread, say), before kernels are launched there. It
+// also clears an error an earlier runtime call on this thread left behind for its caller, who
+// has had it: a query's cudaErrorNotReady, the caller's own (a trainer's event query) included.
+// Otherwise the launch check that follows (kernels.cu reads the last error) would report it as
+// the launch's. Errors that corrupt the context are sticky and come back at once.
+void use(const Stream& stream) {
+  cudaGetLastError();
+  check(cudaSetDevice(stream.device()), "set device");
+}
 
 // A packed codec's decode (two-bit, one-bit, terngrad): the host checks the size, and the kernel
 // `launch(header)` starts compares the header on the device; with n = 0 there is no kernel to look
@@ -172,7 +184,10 @@ void Event::order_before(Stream& stream) {
 bool Event::done() {
   if (!event_) return true;
   const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event_));
-  if (status == cudaErrorNotReady) return false;
+  if (status == cudaErrorNotReady) {
+    cudaGetLastError();  // "not yet" is left as the thread's last error too (check() says why that matters)
+    return false;
+  }
   check(status, "query event");
   return true;
 }

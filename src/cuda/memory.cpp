@@ -13,10 +13,13 @@
 namespace gradsync::cuda {
 
 namespace {
+// Clears the failed call's error from the thread's last error, as codecs.cpp's check() does.
 void check(cudaError_t status, const char* operation, std::size_t bytes, int device) {
-  if (status != cudaSuccess)
+  if (status != cudaSuccess) {
+    cudaGetLastError();
     throw Error(ErrorKind::internal, {.operation = operation},
                 fmt::format("CUDA device {}, {} bytes: {}", device, bytes, cudaGetErrorString(status)));
+  }
 }
 }  // namespace
 
@@ -41,8 +44,7 @@ void* allocate_on_device(std::size_t bytes, int device_index) {
 
 void free_on_device(void* p, int device_index) noexcept {
   if (!p) return;
-  cudaSetDevice(device_index);
-  cudaFree(p);
+  if (cudaSetDevice(device_index) != cudaSuccess || cudaFree(p) != cudaSuccess) cudaGetLastError();
 }
 
 bool on_device(const void* p, int device_index) {

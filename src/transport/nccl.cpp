@@ -30,9 +30,12 @@ constexpr std::uint64_t watch_tag = engine::control_tag(0, engine::ControlMessag
 
 bool control_message(std::uint64_t tag) { return ((tag >> 32) & 0xffffu) == engine::control_bucket; }
 
+// Clears the failed call's error from the thread's last error, as the codecs' check() does.
 void check_cuda(cudaError_t status, const char* operation) {
-  if (status != cudaSuccess)
+  if (status != cudaSuccess) {
+    cudaGetLastError();
     throw Error(ErrorKind::internal, {.operation = operation}, fmt::format("CUDA: {}", cudaGetErrorString(status)));
+  }
 }
 
 std::string nccl_error_text(ncclResult_t result) {
@@ -218,6 +221,7 @@ class NcclEngine {
       const cudaError_t status = cudaEventQuery(allreduce_event_);
       if (status == cudaSuccess) return;
       if (status != cudaErrorNotReady) fail_locked(cuda_failure(status, "allreduce", -1));
+      cudaGetLastError();  // "not yet" is left as the thread's last error too: not for a launch to find
       check_health_locked();
       if (std::chrono::steady_clock::now() >= deadline)
         fail_locked(Error(ErrorKind::timeout, here("allreduce"),
@@ -331,6 +335,7 @@ class NcclEngine {
       Nccl::Request& r = *in_flight_[i];
       const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(r.event_));
       if (status == cudaErrorNotReady) {
+        cudaGetLastError();  // left as the thread's last error too: not for a launch to find
         ++i;
         continue;
       }

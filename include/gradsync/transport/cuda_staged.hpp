@@ -274,8 +274,16 @@ class CudaStaged {
     return !unposted_.empty();
   }
 
+  // With peers through IPC, the device block is a whole number of 2 MiB: cudaMalloc may carve a
+  // smaller allocation out of a larger block, and CUDA IPC then shares that whole block, the other
+  // allocations in it included (the CUDA Programming Guide, "Interprocess Communication", advises
+  // sharing 2 MiB-aligned sizes only); two of this rank's blocks in one of CUDA's would also be
+  // opened twice by a peer.
   std::span<std::byte> allocate(std::size_t bytes) {
-    Block b{static_cast<std::byte*>(cuda::allocate_on_device(bytes, device_)), nullptr, bytes, false, 0, {}};
+    constexpr std::size_t ipc_granule = std::size_t{2} << 20;
+    const std::size_t device_bytes =
+        ipc_.peers() > 0 ? std::max<std::size_t>(1, (bytes + ipc_granule - 1) / ipc_granule) * ipc_granule : bytes;
+    Block b{static_cast<std::byte*>(cuda::allocate_on_device(device_bytes, device_)), nullptr, bytes, false, 0, {}};
     try {
       if (ipc_.peers() > 0) {
         b.generation = ipc_.next_generation();
