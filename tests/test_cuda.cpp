@@ -7,11 +7,13 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "cuda/numeric_kernels.hpp"
@@ -377,5 +379,29 @@ TEST_SUITE("cuda") {
     codec.decode(good, std::span<float>(expected), DecodeMode::overwrite);
     const auto decoded = out.host();
     for (std::size_t i = 0; i < n; ++i) REQUIRE(same_bits(decoded[i], expected[i]));
+  }
+
+  // cudaErrorNotReady from a query stays as the thread's last error, which the kernels' launch
+  // checks read: neither this library's own query (Event::done) nor a trainer's on the same thread
+  // may make the next launch fail.
+  TEST_CASE("a query of work not yet done leaves nothing for the next kernel launch to report" *
+            doctest::skip(no_device)) {
+    cuda::Stream busy, other;
+    const auto sleep = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); };
+    REQUIRE(cudaLaunchHostFunc(static_cast<cudaStream_t>(busy.native()), sleep, nullptr) == cudaSuccess);
+    cuda::Event event;
+    event.record(busy);
+    REQUIRE_FALSE(event.done());
+    const compression::TwoBit codec{.threshold = 0.3f};
+    compression::TwoBit::State state;
+    const auto in = test::random_values(4096, 8);
+    const DeviceVector<float> device_in(in);
+    DeviceVector<std::byte> encoded(codec.max_encoded_bytes(in.size(), DType::f32));
+    CHECK_NOTHROW(cuda::encode(codec, state, device_in.data, in.size(), encoded.data, other));
+    REQUIRE(cudaStreamQuery(static_cast<cudaStream_t>(busy.native())) == cudaErrorNotReady);  // the trainer's
+    CHECK_NOTHROW(cuda::encode(codec, state, device_in.data, in.size(), encoded.data, other));
+    other.synchronize();
+    busy.synchronize();
+    CHECK(event.done());
   }
 }
