@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -403,5 +404,25 @@ TEST_SUITE("cuda") {
     other.synchronize();
     busy.synchronize();
     CHECK(event.done());
+  }
+
+  // A backward pass on the default stream, still running when its gradient is marked ready: the
+  // Synchronizer's packing on a device transport's stream must read what it writes.
+  TEST_CASE("a stream that follows the default stream sees what was queued there" * doctest::skip(no_device)) {
+    const std::size_t n = 1 << 20;
+    DeviceVector<float> gradient(std::vector<float>(n, 0.0f));
+    DeviceVector<float> packed(n);
+    const auto sleep = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); };
+    REQUIRE(cudaLaunchHostFunc(cudaStreamLegacy, sleep, nullptr) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(gradient.data, 0x3f, n * sizeof(float), cudaStreamLegacy) == cudaSuccess);
+    cuda::Stream stream;
+    stream.follow_default_stream();
+    cuda::copy(packed.data, gradient.data, n * sizeof(float), stream);
+    stream.synchronize();
+    const auto back = packed.host();
+    float written;
+    std::memset(&written, 0x3f, sizeof written);
+    CHECK(std::count_if(back.begin(), back.end(), [&](float v) { return same_bits(v, written); }) ==
+          static_cast<std::ptrdiff_t>(n));
   }
 }

@@ -176,7 +176,8 @@ class Synchronizer {
   // Registers a gradient; ids are given out in order from 0. Every rank must register the same
   // gradients (name, size, dtype) in the same order, before its first ready() or wait(). A
   // gradient in CUDA device memory (Device::cuda) is staged through host memory, with blocking
-  // copies (detail/device_gradients.hpp): it must be complete when ready() is called for it.
+  // copies (detail/device_gradients.hpp), or over a device transport packed on its stream: it must
+  // be complete, or queued on the device's legacy default stream, when ready() is called for it.
   GradId add(std::string name, TensorView gradient) {
     if (frozen_.load())
       throw Error(ErrorKind::invalid_argument, here("add"),
@@ -539,6 +540,11 @@ class Synchronizer {
   void synchronize_bucket(std::size_t b, std::span<V> values, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
     if (timeline_) bucket.traced_start = timeline_->now();
+#if GRADSYNC_HAS_CUDA
+    // The bucket's gradients may still be computed on the default stream (the host path's
+    // blocking copies wait for that too); the packing, or the exchange in place, follows it.
+    if constexpr (DeviceTransport<X>) transport_.cuda_stream().follow_default_stream();
+#endif
     if (!bucket.in_place) {
       const auto started = std::chrono::steady_clock::now();
       for (GradId id : plan_.buckets[b]) pack(id, values.subspan(slots_[id].offset, layout_[id].count));
@@ -616,8 +622,8 @@ class Synchronizer {
   }
 
   // Gradient `id`'s values into its place in a bucket: with a device transport a copy (or, for a
-  // 16-bit gradient, a widening kernel) queued on its stream (the gradient is complete when ready()
-  // is called), else detail::load_gradient.
+  // 16-bit gradient, a widening kernel) queued on its stream (after the default stream's work:
+  // synchronize_bucket), else detail::load_gradient.
   template <class V>
   void pack(GradId id, std::span<V> into) {
 #if GRADSYNC_HAS_CUDA

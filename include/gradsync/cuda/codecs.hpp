@@ -51,6 +51,9 @@ class Stream {
   void* native() const noexcept;  // the cudaStream_t
   void reserve(std::size_t values);  // scratch for runs of up to `values` values
   void synchronize();  // waits for the stream; throws what a decode found wrong since the last one
+  // Work queued on this stream from now on waits for what is queued so far on the device's legacy
+  // default stream (a backward pass that ran there), as the host path's blocking copies do.
+  void follow_default_stream();
 
   struct Impl;
   Impl& impl() noexcept { return *impl_; }  // for the library's own kernels

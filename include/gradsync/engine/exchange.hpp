@@ -363,6 +363,12 @@ class BucketExchange {
                   fmt::format("codec {} has no device path (cuda/codecs.hpp), so it cannot run over {}",
                               codec.describe(), transport->describe()));
     device_stream_ = &transport->cuda_stream();
+    // The codecs' scratch for this schedule's largest encode, now rather than mid-iteration (growing
+    // it waits for the stream and frees what it had).
+    std::size_t largest_encode = 0;
+    for (const Step& step : schedule_.steps)
+      if (step.op == Step::Op::encode && !raw_slot(step.slot)) largest_encode = std::max(largest_encode, step.range.size());
+    device_stream_->reserve(largest_encode);
     if constexpr (ErrorFeedbackOf<C>::value) {
       residual_offset_.assign(schedule_.steps.size(), 0);
       std::size_t total = 0;

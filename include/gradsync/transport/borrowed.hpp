@@ -23,6 +23,11 @@ namespace gradsync::transport {
 
 template <TransportPolicy X>
 class Borrowed {
+  // A device transport's stream and its codecs' scratch are one Synchronizer's (cuda::Stream),
+  // and a borrower that did not pass them on would hand host code device buckets.
+  static_assert(!DeviceTransport<X>, "a device transport (Nccl, CudaStaged) cannot be borrowed: give each "
+                                     "Synchronizer its own");
+
  public:
   using Request = typename X::Request;
 
