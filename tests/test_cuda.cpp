@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -60,6 +61,27 @@ struct DeviceVector {
     REQUIRE(cudaMemcpy(out.data(), data, size * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
     return out;
   }
+};
+
+// Holds `stream` at a host function until release() (at the latest when destroyed, which then
+// waits for the stream): work queued behind it is certainly not done meanwhile. Nothing may wait
+// for the whole device while it is closed.
+class Gate {
+ public:
+  explicit Gate(cudaStream_t stream) : stream_(stream) {
+    REQUIRE(cudaLaunchHostFunc(stream, [](void* gate) {
+              while (!static_cast<Gate*>(gate)->open_.load()) std::this_thread::yield();
+            }, this) == cudaSuccess);
+  }
+  ~Gate() {
+    release();
+    cudaStreamSynchronize(stream_);
+  }
+  void release() { open_.store(true); }
+
+ private:
+  cudaStream_t stream_;
+  std::atomic<bool> open_{false};
 };
 
 template <class C>
@@ -388,36 +410,41 @@ TEST_SUITE("cuda") {
   TEST_CASE("a query of work not yet done leaves nothing for the next kernel launch to report" *
             doctest::skip(no_device)) {
     cuda::Stream busy, other;
-    const auto sleep = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); };
-    REQUIRE(cudaLaunchHostFunc(static_cast<cudaStream_t>(busy.native()), sleep, nullptr) == cudaSuccess);
-    cuda::Event event;
-    event.record(busy);
-    REQUIRE_FALSE(event.done());
     const compression::TwoBit codec{.threshold = 0.3f};
     compression::TwoBit::State state;
     const auto in = test::random_values(4096, 8);
     const DeviceVector<float> device_in(in);
     DeviceVector<std::byte> encoded(codec.max_encoded_bytes(in.size(), DType::f32));
+    Gate gate(static_cast<cudaStream_t>(busy.native()));
+    cuda::Event event;
+    event.record(busy);
+    REQUIRE_FALSE(event.done());
+    CHECK(cudaPeekAtLastError() == cudaSuccess);
     CHECK_NOTHROW(cuda::encode(codec, state, device_in.data, in.size(), encoded.data, other));
     REQUIRE(cudaStreamQuery(static_cast<cudaStream_t>(busy.native())) == cudaErrorNotReady);  // the trainer's
     CHECK_NOTHROW(cuda::encode(codec, state, device_in.data, in.size(), encoded.data, other));
     other.synchronize();
+    gate.release();
     busy.synchronize();
     CHECK(event.done());
   }
 
   // A backward pass on the default stream, still running when its gradient is marked ready: the
-  // Synchronizer's packing on a device transport's stream must read what it writes.
-  TEST_CASE("a stream that follows the default stream sees what was queued there" * doctest::skip(no_device)) {
+  // Synchronizer's packing on a device transport's stream follows the mark ready() records there.
+  TEST_CASE("work ordered after a mark on the default stream sees what was queued there" *
+            doctest::skip(no_device)) {
     const std::size_t n = 1 << 20;
-    DeviceVector<float> gradient(std::vector<float>(n, 0.0f));
-    DeviceVector<float> packed(n);
-    const auto sleep = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); };
-    REQUIRE(cudaLaunchHostFunc(cudaStreamLegacy, sleep, nullptr) == cudaSuccess);
-    REQUIRE(cudaMemsetAsync(gradient.data, 0x3f, n * sizeof(float), cudaStreamLegacy) == cudaSuccess);
+    const DeviceVector<float> gradient(std::vector<float>(n, 0.0f));
+    const DeviceVector<float> packed(n);
     cuda::Stream stream;
-    stream.follow_default_stream();
-    cuda::copy(packed.data, gradient.data, n * sizeof(float), stream);
+    cuda::Event mark;
+    {
+      Gate gate(cudaStreamLegacy);  // the backward pass is not done until the gate opens
+      REQUIRE(cudaMemsetAsync(gradient.data, 0x3f, n * sizeof(float), cudaStreamLegacy) == cudaSuccess);
+      mark.record_default_stream(stream.device());
+      mark.order_before(stream);
+      cuda::copy(packed.data, gradient.data, n * sizeof(float), stream);
+    }
     stream.synchronize();
     const auto back = packed.host();
     float written;

@@ -233,6 +233,14 @@ class Synchronizer {
     ready_at_[id] = now;
     std::int64_t none = 0;
     first_ready_.compare_exchange_strong(none, now.time_since_epoch().count());
+#if GRADSYNC_HAS_CUDA
+    // A device gradient may still be computed on the default stream (the host path's blocking
+    // copies wait for that work too). Its bucket's packing must follow what was queued there by
+    // now, so the mark is recorded here, on the trainer's thread, before the bucket can go: the
+    // last ready() of several threads to record it is the latest on that stream, covering all.
+    if constexpr (DeviceTransport<X>)
+      default_stream_marks_[slots_[id].bucket].record_default_stream(transport_.cuda_stream().device());
+#endif
     const std::uint32_t position = order_size_.fetch_add(1, std::memory_order_acq_rel);
     order_[position] = id;
     const bool bucket_complete = pending_[slots_[id].bucket].fetch_sub(1, std::memory_order_acq_rel) == 1;
@@ -406,6 +414,9 @@ class Synchronizer {
     pending_ = std::make_unique<std::atomic<std::uint32_t>[]>(buckets_.size());
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       pending_[b].store(static_cast<std::uint32_t>(plan_.buckets[b].size()), std::memory_order_relaxed);
+#if GRADSYNC_HAS_CUDA
+    if constexpr (DeviceTransport<X>) default_stream_marks_ = std::make_unique<cuda::Event[]>(buckets_.size());
+#endif
     hand_to_engine();
   }
 
@@ -541,9 +552,9 @@ class Synchronizer {
     Bucket& bucket = buckets_[b];
     if (timeline_) bucket.traced_start = timeline_->now();
 #if GRADSYNC_HAS_CUDA
-    // The bucket's gradients may still be computed on the default stream (the host path's
-    // blocking copies wait for that too); the packing, or the exchange in place, follows it.
-    if constexpr (DeviceTransport<X>) transport_.cuda_stream().follow_default_stream();
+    // The packing, or the exchange in place, follows what the default stream had queued when the
+    // bucket's gradients were marked ready (ready()).
+    if constexpr (DeviceTransport<X>) default_stream_marks_[b].order_before(transport_.cuda_stream());
 #endif
     if (!bucket.in_place) {
       const auto started = std::chrono::steady_clock::now();
@@ -810,6 +821,9 @@ class Synchronizer {
   // Per-iteration state written by ready() (any thread) and read by the communication thread.
   std::unique_ptr<std::atomic<std::uint32_t>[]> pending_;  // by bucket: gradients not yet ready
   std::unique_ptr<std::atomic<bool>[]> marked_;            // by gradient
+#if GRADSYNC_HAS_CUDA
+  std::unique_ptr<cuda::Event[]> default_stream_marks_;  // by bucket, device transports: ready()'s
+#endif
   std::vector<std::chrono::steady_clock::time_point> ready_at_;
   std::vector<GradId> order_;
   std::atomic<std::uint32_t> order_size_{0};

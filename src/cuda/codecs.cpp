@@ -99,7 +99,6 @@ struct Stream::Impl {
   std::size_t tiles_capacity = 0;
   kernels::TopKScratch* top_k = nullptr;
   float* parameter = nullptr;  // a run's parameter computed on the device (a scale)
-  cudaEvent_t default_stream_mark = nullptr;  // follow_default_stream()'s
   kernels::DecodeCheck* check = nullptr;         // mapped host memory: what decode kernels found
   kernels::DecodeCheck* check_device = nullptr;  // ... as the device addresses it
 };
@@ -116,14 +115,12 @@ Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
     check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "stream");
     check(cudaMalloc(&impl_->parameter, sizeof(float)), "stream");
     check(cudaMalloc(&impl_->top_k, sizeof(kernels::TopKScratch)), "stream");
-    check(cudaEventCreateWithFlags(&impl_->default_stream_mark, cudaEventDisableTiming), "stream");
     check(cudaHostAlloc(&impl_->check, sizeof(kernels::DecodeCheck), cudaHostAllocMapped), "stream");
     *impl_->check = {};
     check(cudaHostGetDevicePointer(&impl_->check_device, impl_->check, 0), "stream");
   } catch (...) {
     cudaFree(impl_->parameter);
     cudaFree(impl_->top_k);
-    if (impl_->default_stream_mark) cudaEventDestroy(impl_->default_stream_mark);
     cudaFreeHost(impl_->check);
     if (impl_->stream) cudaStreamDestroy(impl_->stream);
     throw;
@@ -136,7 +133,6 @@ Stream::~Stream() {
   cudaFree(impl_->tile_counts);
   cudaFree(impl_->top_k);
   cudaFree(impl_->parameter);
-  cudaEventDestroy(impl_->default_stream_mark);
   cudaFreeHost(impl_->check);
   cudaStreamDestroy(impl_->stream);
 }
@@ -164,24 +160,28 @@ void Stream::synchronize() {
   throw Error(ErrorKind::protocol, {.operation = "decode"}, what + "; that decode wrote nothing");
 }
 
-void Stream::follow_default_stream() {
-  use(*this);
-  check(cudaEventRecord(impl_->default_stream_mark, cudaStreamLegacy), "order after the default stream");
-  check(cudaStreamWaitEvent(impl_->stream, impl_->default_stream_mark, 0), "order after the default stream");
-}
-
 Event::~Event() {
   if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));  // from any device: the caller's stays current
 }
 
 void Event::record(Stream& stream) {
   use(stream);
+  record_on(stream.native());
+}
+
+void Event::record_default_stream(int device) {
+  cudaGetLastError();  // as use() does
+  check(cudaSetDevice(device), "set device");
+  record_on(cudaStreamLegacy);
+}
+
+void Event::record_on(void* stream) {
   if (!event_) {
     cudaEvent_t event;
     check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "record event");
     event_ = event;
   }
-  check(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream.native())), "record event");
+  check(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)), "record event");
 }
 
 void Event::order_before(Stream& stream) {

@@ -15,7 +15,9 @@
 // decode checks every index on the device too before it writes. Inputs produced on another stream must be
 // ordered before these calls by the caller (an event). Encodings must start at 8-byte-aligned
 // device addresses (cudaMalloc gives 256). Results are bit-identical to the CPU codecs' except
-// for the payload and sign of NaNs, which the device canonicalizes.
+// for the payload and sign of NaNs, which the device canonicalizes (so TopK, which ranks NaNs by
+// their bits, may pick others among more NaNs than it keeps where they were computed on the
+// device: error feedback's sums, a decode-add before the next encode).
 //
 // f32 values only. Covered: every codec (Fp16, Bf16, TwoBit, OneBit, TernGrad<Bits>, TopK,
 // RandomK), and ErrorFeedback over any of them (the residual is a device buffer of n floats,
@@ -51,9 +53,6 @@ class Stream {
   void* native() const noexcept;  // the cudaStream_t
   void reserve(std::size_t values);  // scratch for runs of up to `values` values
   void synchronize();  // waits for the stream; throws what a decode found wrong since the last one
-  // Work queued on this stream from now on waits for what is queued so far on the device's legacy
-  // default stream (a backward pass that ran there), as the host path's blocking copies do.
-  void follow_default_stream();
 
   struct Impl;
   Impl& impl() noexcept { return *impl_; }  // for the library's own kernels
@@ -73,11 +72,13 @@ class Event {
   Event& operator=(const Event&) = delete;
 
   void record(Stream& stream);   // the work queued on `stream` so far
+  void record_default_stream(int device);  // ... on `device`'s legacy default stream so far
   void order_before(Stream& stream);  // work queued on `stream` from now on waits for the last record
   bool done();                   // the last record's work has finished (true if never recorded)
   void synchronize();            // waits on the host until it has
 
  private:
+  void record_on(void* stream);  // a cudaStream_t, the device current
   void* event_ = nullptr;  // cudaEvent_t
 };
 

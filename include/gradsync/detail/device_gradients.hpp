@@ -3,9 +3,9 @@
 // into its bucket when the bucket is packed and back when its average is ready, converting 16-bit
 // gradients on the host as detail::load/store do (convert.hpp), so the results are the host
 // path's bits. The copies are blocking, on the device's legacy default stream (cuda/memory.hpp):
-// a gradient must be complete when ready() is called for it, and holds its average when wait()
-// returns. Where gradsync was built without CUDA (GRADSYNC_HAS_CUDA), such a gradient is refused
-// when it is added.
+// a gradient must be complete, or queued on that stream, when ready() is called for it, and holds
+// its average when wait() returns. Where gradsync was built without CUDA (GRADSYNC_HAS_CUDA),
+// such a gradient is refused when it is added.
 
 #include <cstddef>
 #include <span>
