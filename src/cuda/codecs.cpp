@@ -72,10 +72,11 @@ std::string describe_header(std::uint64_t word) {
 // has had it: a query's cudaErrorNotReady, the caller's own (a trainer's event query) included.
 // Otherwise the launch check that follows (kernels.cu reads the last error) would report it as
 // the launch's. Errors that corrupt the context are sticky and come back at once.
-void use(const Stream& stream) {
+void use(int device) {
   cudaGetLastError();
-  check(cudaSetDevice(stream.device()), "set device");
+  check(cudaSetDevice(device), "set device");
 }
+void use(const Stream& stream) { use(stream.device()); }
 
 // A packed codec's decode (two-bit, one-bit, terngrad): the host checks the size, and the kernel
 // `launch(header)` starts compares the header on the device; with n = 0 there is no kernel to look
@@ -170,8 +171,7 @@ void Event::record(Stream& stream) {
 }
 
 void Event::record_default_stream(int device) {
-  cudaGetLastError();  // as use() does
-  check(cudaSetDevice(device), "set device");
+  use(device);
   record_on(cudaStreamLegacy);
 }
 
