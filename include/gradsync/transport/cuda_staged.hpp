@@ -76,7 +76,9 @@ class CudaStaged {
     // Peers in other processes on the same GPU, reached over SharedMemory (or Routed within the
     // machine; not Tcp), exchange device bytes through CUDA IPC, device to device, instead of
     // through the host mirrors. Every rank must set it alike: construction waits for each peer's
-    // identity. Off by default until it has run on a GPU (README).
+    // identity. Off by default: it pays only where the processes run under MPS (1.3x the mirrors
+    // in 8 MiB pieces on an H100); without MPS, each a CUDA context the GPU switches between, every
+    // piece waits for another process's copy, and it was 1.7-5.8x slower (docs/design.md).
     bool ipc = false;
     // For the identities at construction; at the end, also the longest (5 s at most) it waits for
     // peers to let go of its blocks.
