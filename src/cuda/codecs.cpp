@@ -13,22 +13,14 @@
 
 #include <fmt/format.h>
 
+#include "check.hpp"
 #include "kernels.hpp"
 
 namespace gradsync::cuda {
 
 namespace {
 
-// A failed call's error stays as the thread's last error (cudaGetLastError) until read: it is
-// cleared here, so that a later launch's check (kernels.cu reads the last error) reports only
-// its own.
-void check(int status, const char* operation) {
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    throw Error(ErrorKind::internal, {.operation = operation},
-                fmt::format("CUDA: {}", cudaGetErrorString(static_cast<cudaError_t>(status))));
-  }
-}
+using detail::check;
 
 // The 8 header bytes as the little-endian word the kernels write.
 std::uint64_t header_word(compression::CodecId id, std::size_t n) {

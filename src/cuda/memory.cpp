@@ -8,18 +8,15 @@
 
 #include <fmt/format.h>
 
+#include "check.hpp"
 #include "gradsync/error.hpp"
 
 namespace gradsync::cuda {
 
 namespace {
-// Clears the failed call's error from the thread's last error, as codecs.cpp's check() does.
+// detail::check, naming the device and the size.
 void check(cudaError_t status, const char* operation, std::size_t bytes, int device) {
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    throw Error(ErrorKind::internal, {.operation = operation},
-                fmt::format("CUDA device {}, {} bytes: {}", device, bytes, cudaGetErrorString(status)));
-  }
+  if (status != cudaSuccess) detail::check(status, operation, fmt::format("CUDA device {}, {} bytes", device, bytes));
 }
 }  // namespace
 

@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "cuda/check.hpp"
 #include "gradsync/cuda/memory.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/launch/environment.hpp"
@@ -29,14 +30,6 @@ namespace {
 constexpr std::uint64_t watch_tag = engine::control_tag(0, engine::ControlMessage::nccl_watch);
 
 bool control_message(std::uint64_t tag) { return ((tag >> 32) & 0xffffu) == engine::control_bucket; }
-
-// Clears the failed call's error from the thread's last error, as the codecs' check() does.
-void check_cuda(cudaError_t status, const char* operation) {
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    throw Error(ErrorKind::internal, {.operation = operation}, fmt::format("CUDA: {}", cudaGetErrorString(status)));
-  }
-}
 
 std::string nccl_error_text(ncclResult_t result) {
   const char* last = ncclGetLastError(nullptr);
@@ -76,7 +69,7 @@ class NcclEngine {
     if (device_ >= devices)
       throw Error(ErrorKind::invalid_argument, here("setup"),
                   fmt::format("NcclOptions::device is {}, but this machine has {} CUDA devices", device_, devices));
-    check_cuda(cudaSetDevice(device_), "setup");
+    cuda::detail::check(cudaSetDevice(device_), "setup");
     stream_.emplace(device_);
     join();
     watches_ = std::vector<Tcp::Request>(static_cast<std::size_t>(size()));
@@ -130,7 +123,7 @@ class NcclEngine {
                               device_));
     if (!r.event_) {
       cudaEvent_t event;
-      check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), operation);
+      cuda::detail::check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), operation);
       r.event_ = event;
     }
     r.way_ = Nccl::Request::Way::device;
@@ -193,7 +186,7 @@ class NcclEngine {
 
   std::span<std::byte> allocate(std::size_t bytes) {
     void* p = nullptr;
-    check_cuda(cudaSetDevice(device_), "allocate");
+    cuda::detail::check(cudaSetDevice(device_), "allocate");
     if (const cudaError_t status = cudaMalloc(&p, std::max<std::size_t>(bytes, 1)); status != cudaSuccess)
       throw Error(ErrorKind::internal, here("allocate"),
                   fmt::format("{} bytes on cuda:{}: {}", bytes, device_, cudaGetErrorString(status)));
@@ -212,11 +205,11 @@ class NcclEngine {
       throw Error(ErrorKind::invalid_argument, here("allreduce"),
                   fmt::format("allreduce of {} values: they must be in memory of cuda:{}", values.size(), device_));
     flush_locked();
-    check_cuda(cudaSetDevice(device_), "allreduce");
+    cuda::detail::check(cudaSetDevice(device_), "allreduce");
     auto s = static_cast<cudaStream_t>(stream_->native());
     nccl(ncclAllReduce(values.data(), values.data(), values.size(), ncclFloat, ncclSum, comm_, s), "allreduce", -1);
-    if (!allreduce_event_) check_cuda(cudaEventCreateWithFlags(&allreduce_event_, cudaEventDisableTiming), "allreduce");
-    check_cuda(cudaEventRecord(allreduce_event_, s), "allreduce");
+    if (!allreduce_event_) cuda::detail::check(cudaEventCreateWithFlags(&allreduce_event_, cudaEventDisableTiming), "allreduce");
+    cuda::detail::check(cudaEventRecord(allreduce_event_, s), "allreduce");
     for (;;) {
       const cudaError_t status = cudaEventQuery(allreduce_event_);
       if (status == cudaSuccess) return;
@@ -308,7 +301,7 @@ class NcclEngine {
   void flush_locked() {
     if (queued_.empty()) return;
     if (failure_) throw *failure_;
-    check_cuda(cudaSetDevice(device_), "flush");
+    cuda::detail::check(cudaSetDevice(device_), "flush");
     auto s = static_cast<cudaStream_t>(stream_->native());
     ncclResult_t result = ncclGroupStart();
     for (Nccl::Request* r : queued_) {
@@ -324,7 +317,7 @@ class NcclEngine {
       fail_locked(Error(ErrorKind::internal, here(first.is_send_ ? "send" : "recv", first.peer_),
                         fmt::format("NCCL group of device messages: {}", nccl_error_text(result))));
     }
-    for (Nccl::Request* r : queued_) check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(r->event_), s), "flush");
+    for (Nccl::Request* r : queued_) cuda::detail::check(cudaEventRecord(static_cast<cudaEvent_t>(r->event_), s), "flush");
     queued_.clear();
   }
 
