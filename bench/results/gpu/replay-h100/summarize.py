@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """bench/README.md's tables of the exchange on an H100, from the JSON that run.sh (this folder) and
-tools/device-check (../device-check-h100, setting "replay") wrote: ms per synchronization (median
+tools/device-check (../device-check-h100, setting "replay") wrote, or from the folders named as
+arguments (a later tools/device-check archive, unpacked): ms per synchronization (median
 of 10, rank 0) in each round and their mean, and rank 0's CPU time (user + system) per synchronization."""
-import glob, json, os, re, statistics
+import glob, json, os, re, statistics, sys
 here = os.path.dirname(os.path.abspath(__file__))
 runs = {}  # (folder, setting, chunk, config) -> [(round, ms, cpu ms)]
-for folder in (here, os.path.join(here, "..", "device-check-h100")):
+for folder in sys.argv[1:] or (here, os.path.join(here, "..", "device-check-h100")):
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         m = re.fullmatch(r"(.+)-chunk(\d+)-(.+)-(\d)\.json", os.path.basename(path))
         if not m or m.group(1) == "codecs":
