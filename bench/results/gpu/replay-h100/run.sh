@@ -6,7 +6,7 @@
 #  1. on one machine (gradsync-run -n 4: shared memory between the ranks), device codecs through
 #     host mirrors and through CUDA IPC, serial and task graph, 1 and 8 MiB pieces; first as the
 #     GPU is (each process a context of its own, time-sliced), then under MPS (one context for
-#     all), two rounds each. The first call found IPC 1.6-6x slower than the mirrors.
+#     all), two rounds each. The first call found IPC 1.7-5.8x slower than the mirrors.
 #  2. on 4 emulated hosts at 1 Gbit/s (netcluster: TCP between the ranks), host codecs against
 #     device codecs, serial and task graph, 1 and 8 MiB pieces, two rounds; if netcluster cannot
 #     come up there, the same over loopback TCP (gradsync-run --machines 4).
