@@ -3,7 +3,7 @@
 //
 //   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
-//             [--topology ring|parameter-server|hierarchical] [--partitions P] [--ranks-per-machine L]
+//             [--topology ring|parameter-server|hierarchical|recursive-doubling|auto] [--partitions P] [--ranks-per-machine L]
 //             [--chunk-bytes B] [--data gradient|constant] [--json PATH]
 //
 // in-process: N ranks as threads of this process. shm: one rank per process, all on one machine,
@@ -11,6 +11,10 @@
 // variables (gradsync-run, torchrun, mpirun, srun, netcluster run); --ranks is ignored. With
 // several ranks per machine (LOCAL_WORLD_SIZE > 1) those of one machine talk over shared memory
 // and only the others over TCP (transport::Routed), unless --local-transport tcp.
+//
+// --topology auto: each size takes recursive doubling or the ring, whichever topology::Auto
+// predicts faster on the link it measures first (engine::calibrate_link, as a Synchronizer does at
+// its first synchronization); the table's last column and the JSON say which.
 //
 // Every iteration starts and ends at a barrier; an iteration's time is the slowest rank's; the table shows
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
@@ -27,6 +31,7 @@
 // elements of a uniform run and not others, which a per-value replay cannot follow: "-".
 
 #include <algorithm>
+#include <bit>
 #include <charconv>
 #include <chrono>
 #include <optional>
@@ -79,6 +84,7 @@ struct Row {
   double memcpy_us = 0;
   std::uint64_t wrong = 0;
   bool checked = true;
+  std::string topology;  // the schedule this size ran: --topology auto chooses per size
 };
 
 // Whether expected_average can replay the codec one value at a time.
@@ -134,10 +140,11 @@ int local_world_size() {
 // What every element must hold after the first allreduce when rank r contributes r + 1 everywhere:
 // on a ring each segment's partial sum passes through the codec once per hop, in the ring's order;
 // on a parameter server each part's root adds the others' values (each through the codec) to its
-// own, in group order; hierarchically each machine sums its ranks' values as they are, in ring order
+// own, in group order; by recursive doubling (`butterfly`) each pair of a round adds the two
+// partial sums, each through the codec, lower rank first; hierarchically each machine sums its ranks' values as they are, in ring order
 // round the machine, and the machines' sums go round a ring through the codec (hierarchical.hpp).
 template <class Codec>
-std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg) {
+std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg, bool butterfly) {
   const auto through = [&](float v) { return compression::round_trip(codec, v); };
   std::vector<float> expected(count);
   const auto fill = [&](ElemRange range, float value) {
@@ -161,6 +168,19 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
         fill({shard.begin + segment.begin, shard.begin + segment.end}, Codec::identity ? average : through(average));
       }
     }
+    return expected;
+  }
+  if (butterfly) {  // recursive_doubling.hpp: fold, butterfly rounds, average, unfold
+    const int p = static_cast<int>(std::bit_floor(static_cast<unsigned>(n))), folded = n - p;
+    std::vector<float> value(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) value[static_cast<std::size_t>(r)] = static_cast<float>(r + 1);
+    const auto sent = [&](float v) { return Codec::identity ? v : through(v); };
+    const auto rank_of = [&](int v) { return static_cast<std::size_t>(v < folded ? 2 * v + 1 : v + folded); };
+    for (int i = 0; i < folded; ++i) value[rank_of(i)] += sent(value[static_cast<std::size_t>(2 * i)]);
+    for (int k = 1; k < p; k *= 2)
+      for (int v = 0; v < p; ++v)
+        if ((v & k) == 0) value[rank_of(v)] = value[rank_of(v | k)] = sent(value[rank_of(v)]) + sent(value[rank_of(v | k)]);
+    std::fill(expected.begin(), expected.end(), n == 1 ? value[0] : value[rank_of(0)] / static_cast<float>(n));
     return expected;
   }
   if (cfg.topology == "parameter-server") {
@@ -287,6 +307,25 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const topology::Ring ring = ring_topology(cfg);
   const topology::ParameterServer ps = parameter_server(cfg);
   const topology::Hierarchical hier = hierarchical(cfg);
+  topology::Auto<> chooser{.large = ring};
+  if (cfg.topology == "auto" && n > 1) {
+    engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
+    chooser.link = engine::calibrate_link(control);
+    if (transport.rank() == 0)
+      fmt::print("# link measured: {:.1f} us + {:.3f} GB/s\n", chooser.link.latency * 1e6,
+                 chooser.link.seconds_per_byte > 0 ? 1e-9 / chooser.link.seconds_per_byte : 0.0);
+  }
+  const auto chosen = [&](std::size_t count) {
+    return cfg.topology == "auto" ? (chooser.takes_small(group, count) ? "recursive-doubling" : "ring") : cfg.topology;
+  };
+  const auto schedule = [&](std::size_t count) {
+    const std::string name = chosen(count);
+    const CodecTraits traits = codec_traits<Codec>();
+    return name == "ring"                 ? ring.schedule(group, count, traits)
+           : name == "hierarchical"       ? hier.schedule(group, count, traits)
+           : name == "recursive-doubling" ? topology::RecursiveDoubling{}.schedule(group, count, traits)
+                                          : ps.schedule(group, count, traits);
+  };
   Coordination<X> coordination(transport);
   // The task graph runs a schedule's steps as their data allows (pieces of one phase overlap the
   // next); the serial executor in list order.
@@ -298,10 +337,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   std::uint64_t iteration = 0;
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
     const std::size_t count = bytes / sizeof(float);
-    engine::BucketExchange<Codec, X> exchange(cfg.topology == "ring"           ? ring.schedule(group, count, codec_traits<Codec>())
-                                              : cfg.topology == "hierarchical" ? hier.schedule(group, count, codec_traits<Codec>())
-                                                                               : ps.schedule(group, count, codec_traits<Codec>()),
-                                              codec, DType::f32, false, &transport);
+    engine::BucketExchange<Codec, X> exchange(schedule(count), codec, DType::f32, false, &transport);
     // From the transport's own memory where it has some (SharedMemory: one memcpy per message).
     const gradsync::detail::TransportBuffer<X> storage(&transport, count * sizeof(float));
     const std::span<float> values = storage.template as<float>(count);
@@ -309,7 +345,8 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     const bool checked = gradient || elementwise<Codec>;
     const std::vector<float> mine = gradient ? gradient_values(count, transport.rank()) : std::vector<float>{};
     const std::vector<float> expected =
-        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg) : std::vector<float>{};
+        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count) == "recursive-doubling")
+                                        : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;
     engine::BucketExchange<Codec, X>* const installed[] = {&exchange};
@@ -335,7 +372,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
         for (std::size_t e = 0; e < count; ++e) wrong += values[e] != expected[e];
     }
     coordination.reduce_to_root(times, wrong);
-    if (transport.rank() == 0) rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked});
+    if (transport.rank() == 0) rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count)});
   }
   return rows;
 }
@@ -391,7 +428,10 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--iters", cfg.iters, "timed iterations of each size", {.low = 1});
   tk::add_number(app, "--warmup", cfg.warmup, "iterations before them, not timed", {.low = 1});
   tk::add_codec_options(app, cfg.codec, cfg.codec_settings);
-  tk::add_choice(app, "--topology", cfg.topology, "the schedule", tk::topology_names);
+  std::vector<std::string> topologies = tk::topology_names;
+  topologies.insert(topologies.end(), {"recursive-doubling", "auto"});
+  tk::add_choice(app, "--topology", cfg.topology,
+                 "the schedule; auto: recursive doubling or the ring per size, by the link it measures", topologies);
   tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
   tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
                  "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",
@@ -417,25 +457,27 @@ std::string transport_name(const Config& cfg) {
 
 void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {}, codec {}\n", ranks, transport_name(cfg),
-             cfg.topology == "ring"           ? ring_topology(cfg).describe()
-             : cfg.topology == "hierarchical" ? hierarchical(cfg).describe()
-                                              : parameter_server(cfg).describe(),
+             cfg.topology == "ring"                 ? ring_topology(cfg).describe()
+             : cfg.topology == "hierarchical"       ? hierarchical(cfg).describe()
+             : cfg.topology == "recursive-doubling" ? topology::RecursiveDoubling{}.describe()
+             : cfg.topology == "auto"               ? topology::Auto<>{.large = ring_topology(cfg)}.describe()
+                                                    : parameter_server(cfg).describe(),
              cfg.codec);
   fmt::print("# {} executor; median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, "
              "one thread\n",
              cfg.executor, cfg.iters, cfg.warmup);
   fmt::print("# data {}; #wrong: {}\n", cfg.data,
              cfg.data == "gradient" ? "ranks whose result differs from rank 0's" : "elements off the arithmetic");
-  fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "size", "count", "type", "time",
-             "algbw", "busbw", "memcpy", "time/cpy", "#wrong");
+  fmt::print("#\n# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}  {}\n", "size", "count", "type", "time",
+             "algbw", "busbw", "memcpy", "time/cpy", "#wrong", "topology");
   fmt::print("# {:>12} {:>11} {:>5} {:>11} {:>8} {:>8} {:>11} {:>9} {:>6}\n", "(B)", "(elements)", "", "(us)",
              "(GB/s)", "(GB/s)", "(us)", "", "");
   std::uint64_t wrong = 0;
   for (const Row& row : rows) {
     const double algbw = static_cast<double>(row.bytes) / row.time_us / 1e3;
-    fmt::print("  {:>12} {:>11} {:>5} {:>11.1f} {:>8.3f} {:>8.3f} {:>11.1f} {:>9.2f} {:>6}\n", row.bytes,
+    fmt::print("  {:>12} {:>11} {:>5} {:>11.1f} {:>8.3f} {:>8.3f} {:>11.1f} {:>9.2f} {:>6}  {}\n", row.bytes,
                row.bytes / sizeof(float), "float", row.time_us, algbw, algbw * bus_factor(ranks), row.memcpy_us,
-               row.time_us / row.memcpy_us, row.checked ? fmt::to_string(row.wrong) : "-");
+               row.time_us / row.memcpy_us, row.checked ? fmt::to_string(row.wrong) : "-", row.topology);
     wrong += row.wrong;
   }
   fmt::print("# {}: {} {}\n", cfg.data == "gradient" ? "ranks differing" : "out of bounds values", wrong,
@@ -447,6 +489,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
     json.push_back({{"bytes", r.bytes},
                     {"ranks", ranks},
                     {"topology", cfg.topology},
+                    {"schedule", r.topology},
                     {"codec", cfg.codec},
                     {"transport", transport_name(cfg)},
                     {"executor", cfg.executor},

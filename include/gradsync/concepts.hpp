@@ -178,6 +178,29 @@ concept PairOrderedTopology = TopologyPolicy<T> && requires { requires T::posts_
 template <class T>
 concept FlatAllreduceTopology = TopologyPolicy<T> && requires { requires T::flat_allreduce; };
 
+// PredictedTopology: a topology that predicts its time for a bucket (topology::Auto chooses between
+// such topologies per bucket):
+//
+//   predicted_seconds(group, elements, value_bytes, link)
+//                             seconds to allreduce `elements` values of `value_bytes` each over
+//                             `link` (LinkModel, schedule.hpp: one message's latency and cost per
+//                             byte), counting the steps that wait for one another.
+template <class T>
+concept PredictedTopology = TopologyPolicy<T> &&
+    requires(const T& t, const Group& group, std::size_t elements, const LinkModel& link) {
+      { t.predicted_seconds(group, elements, elements, link) } -> std::same_as<double>;
+    };
+
+// LinkAwareTopology: a topology whose schedules depend on the link's measured costs (topology::
+// Auto). Where `measure_link` is set, the Synchronizer measures the link at the first
+// synchronization (engine::calibrate_link), every rank taking the same figures, and sets `link`
+// before it builds any bucket's schedule.
+template <class T>
+concept LinkAwareTopology = TopologyPolicy<T> && requires(T t, LinkModel link) {
+  t.link = link;
+  { t.measure_link } -> std::convertible_to<bool>;
+};
+
 // ---------------------------------------------------------------------------------------------
 // TransportPolicy: moves bytes between ranks; full duplex, tagged, non-blocking.
 //

@@ -77,6 +77,16 @@ struct PipelineShape {
   std::size_t segment_elements = 0;  // the largest segment
 };
 
+// What one message costs between two ranks of the group: latency + bytes * seconds_per_byte.
+// topology::Auto predicts its candidates' times with it; the Synchronizer measures it at the first
+// synchronization (engine::calibrate_link) and every rank gets the same figures.
+struct LinkModel {
+  double latency = 50e-6;                   // seconds
+  double seconds_per_byte = 1.0 / 1.25e9;   // 10 Gbit/s
+
+  double seconds(double bytes) const noexcept { return latency + bytes * seconds_per_byte; }
+};
+
 // Raw slots. A slot normally holds the codec's encoding of its range. A slot marked in `slot_raw`
 // holds the range's plain values in the accumulation dtype instead, whatever the codec: it is sized
 // elements * sizeof(dtype), encode copies the values in, decode_add and decode_copy add or copy

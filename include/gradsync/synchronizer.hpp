@@ -468,6 +468,30 @@ class Synchronizer {
     decisions_.clear();
   }
 
+  // topology::Auto and its kind choose per bucket by the link's costs: measured here, at the first
+  // synchronization, the same on every rank (engine::calibrate_link), and the buckets' schedules
+  // built again with them. Over a device transport the control messages the probe would time are
+  // not what buckets take, so the topology's own figures stand there.
+  void measure_link() {
+    if constexpr (DeviceTransport<X>) return;
+    if (!topology_.measure_link || size() == 1) return;
+    topology_.link = engine::calibrate_link(control_);
+    std::string choices;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if (buckets_[b].native_allreduce) continue;
+      buckets_[b].exchange = exchange_for(b, buckets_[b]);
+      if constexpr (requires { topology_.choice(group_, std::size_t{}); })
+        choices += fmt::format("\n  bucket {} ({} values): {}", b, buckets_[b].elements,
+                               topology_.choice(group_, buckets_[b].elements));
+    }
+    hand_to_engine();
+    if (rank() == 0)
+      log_line(options_.log, fmt::format("gradsync {}: link {:.1f} us + {:.3f} GB/s{}", topology_.describe(),
+                                         topology_.link.latency * 1e6,
+                                         topology_.link.seconds_per_byte > 0 ? 1e-9 / topology_.link.seconds_per_byte : 0.0,
+                                         choices));
+  }
+
   void communicate() {
     try {
       engine::agree_on_membership(control_);
@@ -477,6 +501,7 @@ class Synchronizer {
         for (std::size_t b = 0; b < buckets_.size(); ++b) buckets_[b].exchange = exchange_for(b, buckets_[b]);
         hand_to_engine();
       }
+      if constexpr (LinkAwareTopology<T>) measure_link();
       for (std::uint64_t iteration = 0;; ++iteration) {
         for (std::size_t b = 0; b < buckets_.size(); ++b) {
           if (!wait_for_bucket(b)) return;

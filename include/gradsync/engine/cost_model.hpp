@@ -62,6 +62,19 @@ inline Linear fit(std::span<const std::pair<double, double>> points) {
   return {std::max(0.0, (sy - per_byte * sx) / n), per_byte};
 }
 
+// Seconds `once` takes, the median of five runs.
+template <class Clock, class Once>
+double median_of_five(Once&& once) {
+  std::array<double, 5> t{};
+  for (double& s : t) {
+    const auto started = Clock::now();
+    once();
+    s = std::chrono::duration<double>(Clock::now() - started).count();
+  }
+  std::sort(t.begin(), t.end());
+  return t[2];
+}
+
 struct CostModel {
   Linear encode{}, decode{}, transfer{};
 
@@ -114,67 +127,86 @@ Decision decide(const CostModel& model, const PipelineShape& shape, std::size_t 
   return best;
 }
 
-// Times encode and decode here, and a transfer to the right neighbour of the ring (receiving from
-// the left), at three sizes each, five times each (the median counts); fits a + b * bytes; and
-// returns the slowest rank's coefficients, the same on every rank (gathered at group rank 0, which
-// sends back the maximum of each). Takes a few hundred milliseconds, once.
+// Times a transfer to the right neighbour of the ring (receiving from the left) at three sizes,
+// five times each (the median counts), probe k as control message `probes` + k, and fits
+// a + b * bytes: this rank's figures, not yet agreed.
+template <TransportPolicy X>
+Linear measure_transfer(ControlChannel<X>& control, ControlMessage probes) {
+  using Clock = std::chrono::steady_clock;
+  const Group& group = control.group();
+  const int left = (group.rank + group.size() - 1) % group.size(), right = (group.rank + 1) % group.size();
+  std::uint32_t probe = 0;
+  std::vector<std::pair<double, double>> points;
+  for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 21})
+    points.emplace_back(static_cast<double>(bytes), median_of_five<Clock>([&] {
+      control.probe(right, left, control_tag(0, probes, probe++), bytes);
+    }));
+  return fit(points);
+}
+
+// Every rank's coefficients to group rank 0, which sends back the largest of each: the slowest
+// rank's figures, the same on every rank.
+template <TransportPolicy X, std::size_t N>
+std::array<double, N> agree_on_slowest(ControlChannel<X>& control, ControlMessage m, std::array<double, N> mine,
+                                       const char* operation) {
+  using Coefficients = std::array<double, N>;
+  const Group& group = control.group();
+  const auto as_text = [](const Coefficients& c) { return std::string(reinterpret_cast<const char*>(c.data()), sizeof c); };
+  const auto from_text = [&](std::string_view text, int peer) {
+    if (text.size() != sizeof(Coefficients))
+      throw Error(ErrorKind::protocol,
+                  {.rank = group.members[group.rank], .peer = group.members[peer], .operation = operation},
+                  fmt::format("{} message of {} bytes, expected {}", operation, text.size(), sizeof(Coefficients)));
+    Coefficients c;
+    std::memcpy(c.data(), text.data(), sizeof c);
+    return c;
+  };
+  control.gather(0, m, as_text(mine), [&](int peer, std::string_view text) {
+    const Coefficients theirs = from_text(text, peer);
+    for (std::size_t i = 0; i < N; ++i) mine[i] = std::max(mine[i], theirs[i]);
+  });
+  return from_text(control.broadcast(0, m, as_text(mine)), 0);
+}
+
+// Times encode and decode here at three sizes, five times each, and a transfer
+// (measure_transfer); fits a + b * bytes; and returns the slowest rank's coefficients, the same on
+// every rank. Takes a few hundred milliseconds, once.
 template <CompressionPolicy C, TransportPolicy X>
 CostModel calibrate(const C& codec, ControlChannel<X>& control) {
   using Clock = std::chrono::steady_clock;
-  const auto median_of = [](auto&& once) {
-    std::array<double, 5> t{};
-    for (double& s : t) {
-      const auto started = Clock::now();
-      once();
-      s = std::chrono::duration<double>(Clock::now() - started).count();
-    }
-    std::sort(t.begin(), t.end());
-    return t[2];
-  };
   constexpr std::array<std::size_t, 3> value_counts{std::size_t{1} << 14, std::size_t{1} << 17, std::size_t{1} << 20};
   std::vector<float> values(value_counts.back()), out(value_counts.back());
   for (std::size_t i = 0; i < values.size(); ++i)
     values[i] = static_cast<float>(static_cast<int>((i * 2654435761u) % 2001u) - 1000) * 1e-3f;
   std::vector<std::byte> encoded(codec.max_encoded_bytes(values.size(), DType::f32));
-  std::vector<std::pair<double, double>> encode_points, decode_points, transfer_points;
+  std::vector<std::pair<double, double>> encode_points, decode_points;
   for (std::size_t n : value_counts) {
     auto state = codec.make_state(n, DType::f32);
     const std::span<const float> in(values.data(), n);
     std::size_t used = 0;
     const double bytes = static_cast<double>(n * sizeof(float));
-    encode_points.emplace_back(bytes, median_of([&] { used = codec.encode(in, state, encoded); }));
-    decode_points.emplace_back(bytes, median_of([&] {
+    encode_points.emplace_back(bytes, median_of_five<Clock>([&] { used = codec.encode(in, state, encoded); }));
+    decode_points.emplace_back(bytes, median_of_five<Clock>([&] {
       codec.decode(std::span<const std::byte>(encoded.data(), used), std::span<float>(out.data(), n), DecodeMode::add);
     }));
   }
-  const Group& group = control.group();
-  const int left = (group.rank + group.size() - 1) % group.size(), right = (group.rank + 1) % group.size();
-  std::uint32_t probe = 0;
-  for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 21})
-    transfer_points.emplace_back(static_cast<double>(bytes), median_of([&] {
-      control.probe(right, left, control_tag(0, ControlMessage::calibration_probe, probe++), bytes);
-    }));
-
-  using Coefficients = std::array<double, 6>;
-  const Linear fitted[3] = {fit(encode_points), fit(decode_points), fit(transfer_points)};
-  Coefficients agreed{};
+  const Linear fitted[3] = {fit(encode_points), fit(decode_points),
+                            measure_transfer(control, ControlMessage::calibration_probe)};
+  std::array<double, 6> agreed{};
   for (int i = 0; i < 3; ++i) agreed[2 * i] = fitted[i].fixed, agreed[2 * i + 1] = fitted[i].per_byte;
-  const auto as_text = [](const Coefficients& c) { return std::string(reinterpret_cast<const char*>(c.data()), sizeof c); };
-  const auto from_text = [&](std::string_view text, int peer) {
-    if (text.size() != sizeof(Coefficients))
-      throw Error(ErrorKind::protocol,
-                  {.rank = group.members[group.rank], .peer = group.members[peer], .operation = "calibration"},
-                  fmt::format("calibration message of {} bytes, expected {}", text.size(), sizeof(Coefficients)));
-    Coefficients c;
-    std::memcpy(c.data(), text.data(), sizeof c);
-    return c;
-  };
-  control.gather(0, ControlMessage::calibration, as_text(agreed), [&](int peer, std::string_view text) {
-    const Coefficients theirs = from_text(text, peer);
-    for (std::size_t i = 0; i < agreed.size(); ++i) agreed[i] = std::max(agreed[i], theirs[i]);
-  });
-  agreed = from_text(control.broadcast(0, ControlMessage::calibration, as_text(agreed)), 0);
+  agreed = agree_on_slowest(control, ControlMessage::calibration, agreed, "calibration");
   return {{agreed[0], agreed[1]}, {agreed[2], agreed[3]}, {agreed[4], agreed[5]}};
+}
+
+// The link between this group's ranks, as topology::Auto predicts with it (LinkModel): a
+// transfer measured (measure_transfer) and agreed on the slowest rank's figures. Once, at the
+// first synchronization: about 15 transfers to the ring neighbour, the largest 2 MiB.
+template <TransportPolicy X>
+LinkModel calibrate_link(ControlChannel<X>& control) {
+  const Linear measured = measure_transfer(control, ControlMessage::link_probe);
+  const auto agreed = agree_on_slowest(control, ControlMessage::link, std::array<double, 2>{measured.fixed, measured.per_byte},
+                                       "link calibration");
+  return {.latency = agreed[0], .seconds_per_byte = agreed[1]};
 }
 
 // A bucket's schedule as selective compression chooses it: compressed or not, its segments cut

@@ -33,6 +33,8 @@ enum class ControlMessage : std::uint32_t {
   plan = 4,                    // the agreed bucket plan, from rank 0, when the bucketing policy asks
   calibration = 6,             // selective compression's fitted costs, to rank 0 and back
   calibration_probe = 8,       // its timed transfers: probe k takes id 8 + k (raw bytes, no length)
+  link = 0x30,                 // topology::Auto's measured link (calibrate_link), to rank 0 and back
+  link_probe = 0x40,           // its timed transfers: probe k takes id 0x40 + k (raw bytes, no length)
   embedding_table = 0x20000000u,  // where local rank 0 put the machine's embedding table (sparse/)
   sparse = 0x20000010u,        // a sparse exchange's messages: ids sparse + 0 .. sparse + 4 (sparse/exchange.hpp)
   async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 5 (async/synchronizer.hpp)

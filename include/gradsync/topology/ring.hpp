@@ -19,6 +19,7 @@
 // segment's index and going round), and only the owner sums it, so the average is bit-identical
 // everywhere.
 
+#include <algorithm>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -46,6 +47,18 @@ struct Ring {
 
   PipelineShape shape(const Group& group, std::size_t elements) const {
     return {.hops = 2 * (group.size() - 1), .fan_in = 1, .segment_elements = segment(elements, group.size(), 0).size()};
+  }
+
+  // Seconds to allreduce `elements` values of `value_bytes` each over `link` (topology::Auto): a
+  // pipeline of 2(n-1) hops whose K pieces a segment take (hops + K - 1) piece transfers.
+  double predicted_seconds(const Group& group, std::size_t elements, std::size_t value_bytes, const LinkModel& link) const {
+    const PipelineShape s = shape(group, elements);
+    if (s.hops == 0 || s.segment_elements == 0) return 0;
+    const std::size_t chunk = std::max<std::size_t>(1, chunk_elements);
+    const std::size_t pieces = (s.segment_elements + chunk - 1) / chunk;
+    const std::size_t piece = std::min(chunk, s.segment_elements);
+    return static_cast<double>(static_cast<std::size_t>(s.hops) + pieces - 1) *
+           link.seconds(static_cast<double>(piece * value_bytes));
   }
 
   // The steps are written in topology/ring_phases.hpp, which topology::Hierarchical shares.

@@ -1,0 +1,71 @@
+#pragma once
+// topology::Auto — per bucket, whichever of two topologies is predicted faster on this job's link:
+// by default the log-depth RecursiveDoubling for buckets whose time is latency, the Ring for those
+// whose time is bandwidth. A user who picks no topology should get this one.
+//
+// Each candidate predicts its time for a bucket (PredictedTopology, concepts.hpp) over `link`, one
+// message's cost between two ranks (LinkModel, schedule.hpp); the bucket takes the faster, the
+// small one on a tie. At 64 ranks and 50 us per message, a 4 KiB bucket takes 6 butterfly rounds
+// instead of the ring's 126 hops; the ring wins back once log2(n) whole buckets on the wire cost
+// more than 2(n-1) latencies. Buckets are measured in f32 values (schedule() is not told the
+// dtype; an f64 bucket is predicted at half its bytes).
+//
+// The link. A Synchronizer measures it at the first synchronization (engine::calibrate_link: a
+// message to the ring neighbour at three sizes, fitted to latency + bytes / bandwidth) and every
+// rank takes the slowest rank's figures from rank 0, so all ranks choose alike: which topology a
+// bucket takes changes which messages its ranks exchange, so a rank choosing otherwise would wait
+// for messages that never come. With `measure_link = false` the `link` given stands, and describe()
+// shows it, so ranks given different figures are told at the first synchronization.
+
+#include <algorithm>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "gradsync/concepts.hpp"
+#include "gradsync/topology/recursive_doubling.hpp"
+#include "gradsync/topology/ring.hpp"
+
+namespace gradsync::topology {
+
+template <PredictedTopology Small = RecursiveDoubling, PredictedTopology Large = Ring>
+struct Auto {
+  Small small{};
+  Large large{};
+  LinkModel link{};
+  bool measure_link = true;  // the Synchronizer replaces `link` by what it measures (above)
+
+  static constexpr bool posts_pairs_in_order = PairOrderedTopology<Small> && PairOrderedTopology<Large>;
+  static constexpr bool flat_allreduce = FlatAllreduceTopology<Small> && FlatAllreduceTopology<Large>;
+
+  std::string describe() const {
+    return fmt::format("auto({} | {}, link {})", small.describe(), large.describe(),
+                       measure_link ? std::string("measured")
+                                    : fmt::format("{:.1f} us + {:.3f} GB/s", link.latency * 1e6,
+                                                  link.seconds_per_byte > 0 ? 1e-9 / link.seconds_per_byte : 0.0));
+  }
+
+  // Whether a bucket of `elements` values takes `small`.
+  bool takes_small(const Group& group, std::size_t elements) const {
+    return small.predicted_seconds(group, elements, sizeof(float), link) <=
+           large.predicted_seconds(group, elements, sizeof(float), link);
+  }
+
+  double predicted_seconds(const Group& group, std::size_t elements, std::size_t value_bytes, const LinkModel& over) const {
+    return std::min(small.predicted_seconds(group, elements, value_bytes, over),
+                    large.predicted_seconds(group, elements, value_bytes, over));
+  }
+
+  // The chosen candidate's name, for the Synchronizer's log.
+  std::string choice(const Group& group, std::size_t elements) const {
+    return takes_small(group, elements) ? small.describe() : large.describe();
+  }
+
+  Schedule schedule(const Group& group, std::size_t elements, CodecTraits codec) const {
+    return takes_small(group, elements) ? small.schedule(group, elements, codec) : large.schedule(group, elements, codec);
+  }
+};
+
+static_assert(PredictedTopology<Auto<>>);
+
+}  // namespace gradsync::topology
