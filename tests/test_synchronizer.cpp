@@ -356,6 +356,12 @@ TEST_SUITE("synchronizer") {
       compare(n, topology::ParameterServer{.partitions = 3, .servers = 2}, n);
       compare(n, topology::ParameterServer{.partitions = 5, .servers = 1, .dedicated = true, .chunk_elements = 23}, n - 1);
       compare(n, topology::Hierarchical{.ranks_per_machine = n % 2 == 0 ? 2 : n, .chunk_elements = 37}, n);
+      // A link on which the small buckets take the butterfly and, from 3 ranks, "w" the ring.
+      compare(n,
+              topology::Auto<>{.large = {.chunk_elements = 37},
+                               .link = {.latency = 1e-3, .seconds_per_byte = 1e-5},
+                               .measure_link = false},
+              n);
     }
   }
 
@@ -386,6 +392,32 @@ TEST_SUITE("synchronizer") {
           CHECK(line.starts_with("gradsync selective compression (error-feedback(two-bit"));
           CHECK(line.find("bucket 2: ") != std::string::npos);
         }
+      }
+  }
+
+  TEST_CASE("topology::Auto: the link measured and agreed, each bucket's choice logged, the same bits everywhere") {
+    using Sync = Synchronizer<bucketing::PerTensor, compression::None, topology::Auto<>, InProcess>;
+    const std::vector<Spec> specs{{"big", 300000, DType::f32}, {"small", 10, DType::f32}, {"h.f64", 500, DType::f64}};
+    for (Executor executor : {Executor::task_graph, Executor::serial})
+      for (int n : {3, 4}) {
+        CAPTURE(n);
+        std::mutex mutex;
+        std::vector<std::string> logs;
+        Options options{.executor = executor};
+        options.log = [&](std::string_view line) {
+          std::lock_guard lock(mutex);
+          logs.emplace_back(line);
+        };
+        const auto outputs = results_of<Sync>(n, specs, 2, options, {}, {});
+        for (std::size_t it = 0; it < outputs.size(); ++it) {
+          std::vector<Model> inputs(static_cast<std::size_t>(n), Model(specs));
+          for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
+          check_averages(inputs, outputs[it], 0);
+        }
+        // Rank 0 alone logs the measured link and every bucket's choice.
+        REQUIRE(logs.size() == 1);
+        CHECK(logs[0].starts_with("gradsync auto(recursive-doubling | ring(chunk=262144), link measured): link "));
+        CHECK(logs[0].find(" (10 values): recursive-doubling") != std::string::npos);
       }
   }
 
