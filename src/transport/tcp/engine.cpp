@@ -8,6 +8,10 @@
 
 #include <linux/sockios.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <thread>
@@ -34,6 +38,11 @@ void count(TcpTraffic::Count& c, std::uint64_t bytes) {
 // Long enough for a piece of a few MiB on a slow link; a peer that does not read is not waited for
 // longer than this.
 constexpr auto abort_linger = std::chrono::seconds(1);
+
+// A send of at most this many bytes to an idle socket is written from the caller's thread
+// (TcpEngine::send_now); larger ones would copy that much into the kernel on a thread that has
+// other work to post.
+constexpr std::size_t send_now_bytes = std::size_t{64} << 10;
 
 // A payload is read in pieces of this size, each one proof that its sender is alive.
 constexpr std::uint64_t payload_piece_bytes = std::uint64_t{1} << 20;
@@ -122,6 +131,7 @@ void TcpEngine::post(Request& r, bool is_send, int peer, std::uint64_t tag, cons
     const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
     const bool express = options_.express_lane_bytes > 0 && size <= options_.express_lane_bytes;
     Connection& c = express ? *p.connections.back() : *p.connections[p.next_connection++ % data_sockets];
+    if (!c.writing && size <= send_now_bytes && send_now(c, r)) return;
     c.queue.push(&r);
     if (!c.writing) {
       c.writing = true;
@@ -235,6 +245,35 @@ void TcpEngine::post_to_self(Request& r) {
 
 // ---- the data path, on the io thread ----------------------------------------------------------------
 
+// Under the lock, on the caller's thread, with the socket idle (nothing queued or being written):
+// the frame goes out in one non-blocking sendmsg, so a small message leaves without waking the io
+// thread, and its send completes here; on a loaded machine each such hand-off costs a wake-up per
+// hop (design.md, "TCP"). Whatever the socket does not take at once, the io thread writes on from
+// where it stopped. False where the socket refused with an error: the io thread's write meets it
+// and fails the peer as usual.
+bool TcpEngine::send_now(Connection& c, Request& r) {
+  c.out_header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::data, r.tag_, r.size_});
+  iovec parts[2] = {{c.out_header.data(), c.out_header.size()}, {const_cast<std::byte*>(r.source_), r.size_}};
+  msghdr message{};
+  message.msg_iov = parts;
+  message.msg_iovlen = r.size_ > 0 ? 2 : 1;
+  ssize_t written = ::sendmsg(c.socket.native_handle(), &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (written < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
+    written = 0;
+  }
+  peers_[static_cast<std::size_t>(c.peer)].said = Clock::now();
+  if (static_cast<std::size_t>(written) == c.out_header.size() + r.size_) {
+    count(c.express ? traffic_.express_sent : traffic_.data_sent, r.size_);
+    finish(r, r.size_);
+    return true;
+  }
+  c.writing = true;
+  c.sending = &r;
+  asio::post(io_, [this, &c, &r, done = static_cast<std::size_t>(written)] { write_frame(c, r, done); });
+  return true;
+}
+
 void TcpEngine::write_next(Connection& c) {
   Request* r;
   {
@@ -248,8 +287,15 @@ void TcpEngine::write_next(Connection& c) {
     peers_[static_cast<std::size_t>(c.peer)].said = Clock::now();
   }
   c.out_header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::data, r->tag_, r->size_});
-  const std::array<asio::const_buffer, 2> buffers{asio::buffer(c.out_header), asio::buffer(r->source_, r->size_)};
-  asio::async_write(c.socket, buffers, [this, &c, r](const error_code& ec, std::size_t) {
+  write_frame(c, *r, 0);
+}
+
+// Writes the frame of `r` (its header in c.out_header) from byte `done` on, then the next.
+void TcpEngine::write_frame(Connection& c, Request& r, std::size_t done) {
+  const std::size_t header = std::min(done, c.out_header.size()), payload = done - header;
+  const std::array<asio::const_buffer, 2> buffers{asio::buffer(c.out_header) + header,
+                                                  asio::buffer(r.source_, r.size_) + payload};
+  asio::async_write(c.socket, buffers, [this, &c, r = &r](const error_code& ec, std::size_t) {
     if (c.notice_after_frame) return ec ? abort_notice_done() : write_abort_notice(c);
     if (ec) return connection_broke(c.peer, ec);
     {

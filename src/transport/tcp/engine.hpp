@@ -95,8 +95,12 @@ class TcpEngine {
   void fail(Request& r, const Error& e);
   void post_to_self(Request& r);
 
+  // A small send to an idle socket, from the caller's thread, under the lock.
+  bool send_now(Connection& c, Request& r);
+
   // The data path, on the io thread.
   void write_next(Connection& c);
+  void write_frame(Connection& c, Request& r, std::size_t done);
   void read_header(Connection& c);
   void start_payload(Connection& c, Request& r);
   void read_payload(Connection& c, std::uint64_t length, std::uint64_t done);
