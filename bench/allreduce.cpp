@@ -3,7 +3,8 @@
 //
 //   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
-//             [--topology ring|parameter-server|hierarchical|recursive-doubling|auto] [--partitions P] [--ranks-per-machine L]
+//             [--topology ring|parameter-server|hierarchical|recursive-doubling|halving-doubling|auto]
+//             [--partitions P] [--ranks-per-machine L]
 //             [--chunk-bytes B] [--data gradient|constant] [--json PATH]
 //
 // in-process: N ranks as threads of this process. shm: one rank per process, all on one machine,
@@ -12,8 +13,8 @@
 // several ranks per machine (LOCAL_WORLD_SIZE > 1) those of one machine talk over shared memory
 // and only the others over TCP (transport::Routed), unless --local-transport tcp.
 //
-// --topology auto: each size takes recursive doubling or the ring, whichever topology::Auto
-// predicts faster on the link it measures first (engine::calibrate_link, as a Synchronizer does at
+// --topology auto: each size takes recursive doubling, halving-doubling or the ring, whichever
+// topology::Auto predicts fastest on the link it measures first (engine::calibrate_link, as a Synchronizer does at
 // its first synchronization); the table's last column and the JSON say which.
 //
 // Every iteration starts and ends at a barrier; an iteration's time is the slowest rank's; the table shows
@@ -140,11 +141,13 @@ int local_world_size() {
 // What every element must hold after the first allreduce when rank r contributes r + 1 everywhere:
 // on a ring each segment's partial sum passes through the codec once per hop, in the ring's order;
 // on a parameter server each part's root adds the others' values (each through the codec) to its
-// own, in group order; by recursive doubling (`butterfly`) each pair of a round adds the two
-// partial sums, each through the codec, lower rank first; hierarchically each machine sums its ranks' values as they are, in ring order
+// own, in group order; by recursive doubling each pair of a round adds the two partial sums, each
+// through the codec, lower rank first; by halving-doubling each segment's keeper adds its partner's
+// partial through the codec to its own, and the owner's average goes through it once; hierarchically each machine sums its ranks' values as they are, in ring order
 // round the machine, and the machines' sums go round a ring through the codec (hierarchical.hpp).
 template <class Codec>
-std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg, bool butterfly) {
+std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg,
+                                    const std::string& schedule) {
   const auto through = [&](float v) { return compression::round_trip(codec, v); };
   std::vector<float> expected(count);
   const auto fill = [&](ElemRange range, float value) {
@@ -170,17 +173,29 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
     }
     return expected;
   }
-  if (butterfly) {  // recursive_doubling.hpp: fold, butterfly rounds, average, unfold
+  if (schedule == "recursive-doubling" || schedule == "halving-doubling") {  // fold, then the rounds
     const int p = static_cast<int>(std::bit_floor(static_cast<unsigned>(n))), folded = n - p;
     std::vector<float> value(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) value[static_cast<std::size_t>(r)] = static_cast<float>(r + 1);
+    if (n == 1) return std::vector<float>(count, value[0]);
     const auto sent = [&](float v) { return Codec::identity ? v : through(v); };
     const auto rank_of = [&](int v) { return static_cast<std::size_t>(v < folded ? 2 * v + 1 : v + folded); };
     for (int i = 0; i < folded; ++i) value[rank_of(i)] += sent(value[static_cast<std::size_t>(2 * i)]);
-    for (int k = 1; k < p; k *= 2)
-      for (int v = 0; v < p; ++v)
-        if ((v & k) == 0) value[rank_of(v)] = value[rank_of(v | k)] = sent(value[rank_of(v)]) + sent(value[rank_of(v | k)]);
-    std::fill(expected.begin(), expected.end(), n == 1 ? value[0] : value[rank_of(0)] / static_cast<float>(n));
+    if (schedule == "recursive-doubling") {  // each pair: the lower's and the higher's, each through the codec
+      for (int k = 1; k < p; k *= 2)
+        for (int v = 0; v < p; ++v)
+          if ((v & k) == 0) value[rank_of(v)] = value[rank_of(v | k)] = sent(value[rank_of(v)]) + sent(value[rank_of(v | k)]);
+      std::fill(expected.begin(), expected.end(), value[rank_of(0)] / static_cast<float>(n));
+      return expected;
+    }
+    // Halving-doubling: every participant adds its partner's partial (through the codec) to its
+    // own, distance p/2 first; participant s ends with segment s, averages it and sends it through
+    // the codec once.
+    for (int distance = p / 2; distance >= 1; distance /= 2) {
+      std::vector<float> before = value;
+      for (int v = 0; v < p; ++v) value[rank_of(v)] = before[rank_of(v)] + sent(before[rank_of(v ^ distance)]);
+    }
+    for (int s = 0; s < p; ++s) fill(topology::Ring::segment(count, p, s), sent(value[rank_of(s)] / static_cast<float>(n)));
     return expected;
   }
   if (cfg.topology == "parameter-server") {
@@ -315,8 +330,14 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       fmt::print("# link measured: {:.1f} us + {:.3f} GB/s\n", chooser.link.latency * 1e6,
                  chooser.link.seconds_per_byte > 0 ? 1e-9 / chooser.link.seconds_per_byte : 0.0);
   }
-  const auto chosen = [&](std::size_t count) {
-    return cfg.topology == "auto" ? (chooser.takes_small(group, count) ? "recursive-doubling" : "ring") : cfg.topology;
+  const auto chosen = [&](std::size_t count) -> std::string {
+    if (cfg.topology != "auto") return cfg.topology;
+    switch (chooser.choose(group, count)) {
+      case topology::Auto<>::Choice::small: return "recursive-doubling";
+      case topology::Auto<>::Choice::middle: return "halving-doubling";
+      case topology::Auto<>::Choice::large: break;
+    }
+    return "ring";
   };
   const auto schedule = [&](std::size_t count) {
     const std::string name = chosen(count);
@@ -324,6 +345,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     return name == "ring"                 ? ring.schedule(group, count, traits)
            : name == "hierarchical"       ? hier.schedule(group, count, traits)
            : name == "recursive-doubling" ? topology::RecursiveDoubling{}.schedule(group, count, traits)
+           : name == "halving-doubling"   ? topology::HalvingDoubling{}.schedule(group, count, traits)
                                           : ps.schedule(group, count, traits);
   };
   Coordination<X> coordination(transport);
@@ -345,7 +367,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     const bool checked = gradient || elementwise<Codec>;
     const std::vector<float> mine = gradient ? gradient_values(count, transport.rank()) : std::vector<float>{};
     const std::vector<float> expected =
-        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count) == "recursive-doubling")
+        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count))
                                         : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;
@@ -429,9 +451,11 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--warmup", cfg.warmup, "iterations before them, not timed", {.low = 1});
   tk::add_codec_options(app, cfg.codec, cfg.codec_settings);
   std::vector<std::string> topologies = tk::topology_names;
-  topologies.insert(topologies.end(), {"recursive-doubling", "auto"});
+  topologies.insert(topologies.end(), {"recursive-doubling", "halving-doubling", "auto"});
   tk::add_choice(app, "--topology", cfg.topology,
-                 "the schedule; auto: recursive doubling or the ring per size, by the link it measures", topologies);
+                 "the schedule; auto: recursive doubling, halving-doubling or the ring per size, by the link it "
+                 "measures",
+                 topologies);
   tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
   tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
                  "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",
@@ -460,6 +484,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
              cfg.topology == "ring"                 ? ring_topology(cfg).describe()
              : cfg.topology == "hierarchical"       ? hierarchical(cfg).describe()
              : cfg.topology == "recursive-doubling" ? topology::RecursiveDoubling{}.describe()
+             : cfg.topology == "halving-doubling"   ? topology::HalvingDoubling{}.describe()
              : cfg.topology == "auto"               ? topology::Auto<>{.large = ring_topology(cfg)}.describe()
                                                     : parameter_server(cfg).describe(),
              cfg.codec);

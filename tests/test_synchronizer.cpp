@@ -356,12 +356,9 @@ TEST_SUITE("synchronizer") {
       compare(n, topology::ParameterServer{.partitions = 3, .servers = 2}, n);
       compare(n, topology::ParameterServer{.partitions = 5, .servers = 1, .dedicated = true, .chunk_elements = 23}, n - 1);
       compare(n, topology::Hierarchical{.ranks_per_machine = n % 2 == 0 ? 2 : n, .chunk_elements = 37}, n);
-      // A link on which the small buckets take the butterfly and, from 3 ranks, "w" the ring.
-      compare(n,
-              topology::Auto<>{.large = {.chunk_elements = 37},
-                               .link = {.latency = 1e-3, .seconds_per_byte = 1e-5},
-                               .measure_link = false},
-              n);
+      // A link on which the small buckets take recursive doubling and "w" halving-doubling at 4
+      // ranks, the ring at 3 and 5 (where the fold costs halving-doubling two whole buckets).
+      compare(n, topology::Auto<>{.link = {.latency = 1e-3, .seconds_per_byte = 1e-5}, .measure_link = false}, n);
     }
   }
 
@@ -416,7 +413,7 @@ TEST_SUITE("synchronizer") {
         }
         // Rank 0 alone logs the measured link and every bucket's choice.
         REQUIRE(logs.size() == 1);
-        CHECK(logs[0].starts_with("gradsync auto(recursive-doubling | ring(chunk=262144), link measured): link "));
+        CHECK(logs[0].starts_with("gradsync auto(recursive-doubling | halving-doubling | ring(chunk=262144), link measured): link "));
         CHECK(logs[0].find(" (10 values): recursive-doubling") != std::string::npos);
       }
   }

@@ -22,6 +22,7 @@
 #include "gradsync/synchronizer.hpp"
 #include "gradsync/timeline.hpp"
 #include "gradsync/topology/auto.hpp"
+#include "gradsync/topology/halving_doubling.hpp"
 #include "gradsync/topology/hierarchical.hpp"
 #include "gradsync/topology/parameter_server.hpp"
 #include "gradsync/topology/recursive_doubling.hpp"

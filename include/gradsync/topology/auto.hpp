@@ -1,11 +1,12 @@
 #pragma once
-// topology::Auto — per bucket, whichever of two topologies is predicted faster on this job's link:
-// by default the log-depth RecursiveDoubling for buckets whose time is latency, the Ring for those
-// whose time is bandwidth. A user who picks no topology should get this one.
+// topology::Auto — per bucket, whichever of three topologies is predicted fastest on this job's
+// link: by default RecursiveDoubling for buckets whose time is latency (log2(p) steps, whole
+// buckets), HalvingDoubling between (2 log2(p) steps, 2(p-1)/p of the bucket), the Ring for those
+// whose time is bandwidth (pipelined pieces). A user who picks no topology should get this one.
 //
 // Each candidate predicts its time for a bucket (PredictedTopology, concepts.hpp) over `link`, one
-// message's cost between two ranks (LinkModel, schedule.hpp); the bucket takes the faster, the
-// small one on a tie. At 64 ranks and 50 us per message, a 4 KiB bucket takes 6 butterfly rounds
+// message's cost between two ranks (LinkModel, schedule.hpp); the bucket takes the fastest, the
+// smaller kind on a tie. At 64 ranks and 50 us per message, a 4 KiB bucket takes 6 butterfly rounds
 // instead of the ring's 126 hops; the ring wins back once log2(n) whole buckets on the wire cost
 // more than 2(n-1) latencies. Buckets are measured in f32 values (schedule() is not told the
 // dtype; an f64 bucket is predicted at half its bytes).
@@ -18,51 +19,73 @@
 // shows it, so ranks given different figures are told at the first synchronization.
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include <fmt/format.h>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/topology/halving_doubling.hpp"
 #include "gradsync/topology/recursive_doubling.hpp"
 #include "gradsync/topology/ring.hpp"
 
 namespace gradsync::topology {
 
-template <PredictedTopology Small = RecursiveDoubling, PredictedTopology Large = Ring>
+template <PredictedTopology Small = RecursiveDoubling, PredictedTopology Middle = HalvingDoubling,
+          PredictedTopology Large = Ring>
 struct Auto {
   Small small{};
+  Middle middle{};
   Large large{};
   LinkModel link{};
   bool measure_link = true;  // the Synchronizer replaces `link` by what it measures (above)
 
-  static constexpr bool posts_pairs_in_order = PairOrderedTopology<Small> && PairOrderedTopology<Large>;
-  static constexpr bool flat_allreduce = FlatAllreduceTopology<Small> && FlatAllreduceTopology<Large>;
+  static constexpr bool posts_pairs_in_order =
+      PairOrderedTopology<Small> && PairOrderedTopology<Middle> && PairOrderedTopology<Large>;
+  static constexpr bool flat_allreduce =
+      FlatAllreduceTopology<Small> && FlatAllreduceTopology<Middle> && FlatAllreduceTopology<Large>;
+
+  enum class Choice : std::uint8_t { small, middle, large };
 
   std::string describe() const {
-    return fmt::format("auto({} | {}, link {})", small.describe(), large.describe(),
+    return fmt::format("auto({} | {} | {}, link {})", small.describe(), middle.describe(), large.describe(),
                        measure_link ? std::string("measured")
                                     : fmt::format("{:.1f} us + {:.3f} GB/s", link.latency * 1e6,
                                                   link.seconds_per_byte > 0 ? 1e-9 / link.seconds_per_byte : 0.0));
   }
 
-  // Whether a bucket of `elements` values takes `small`.
-  bool takes_small(const Group& group, std::size_t elements) const {
-    return small.predicted_seconds(group, elements, sizeof(float), link) <=
-           large.predicted_seconds(group, elements, sizeof(float), link);
+  // Which candidate a bucket of `elements` values takes.
+  Choice choose(const Group& group, std::size_t elements) const {
+    const double s = small.predicted_seconds(group, elements, sizeof(float), link);
+    const double m = middle.predicted_seconds(group, elements, sizeof(float), link);
+    const double l = large.predicted_seconds(group, elements, sizeof(float), link);
+    if (s <= m && s <= l) return Choice::small;
+    return m <= l ? Choice::middle : Choice::large;
   }
 
   double predicted_seconds(const Group& group, std::size_t elements, std::size_t value_bytes, const LinkModel& over) const {
-    return std::min(small.predicted_seconds(group, elements, value_bytes, over),
-                    large.predicted_seconds(group, elements, value_bytes, over));
+    return std::min({small.predicted_seconds(group, elements, value_bytes, over),
+                     middle.predicted_seconds(group, elements, value_bytes, over),
+                     large.predicted_seconds(group, elements, value_bytes, over)});
   }
 
   // The chosen candidate's name, for the Synchronizer's log.
   std::string choice(const Group& group, std::size_t elements) const {
-    return takes_small(group, elements) ? small.describe() : large.describe();
+    switch (choose(group, elements)) {
+      case Choice::small: return small.describe();
+      case Choice::middle: return middle.describe();
+      case Choice::large: break;
+    }
+    return large.describe();
   }
 
   Schedule schedule(const Group& group, std::size_t elements, CodecTraits codec) const {
-    return takes_small(group, elements) ? small.schedule(group, elements, codec) : large.schedule(group, elements, codec);
+    switch (choose(group, elements)) {
+      case Choice::small: return small.schedule(group, elements, codec);
+      case Choice::middle: return middle.schedule(group, elements, codec);
+      case Choice::large: break;
+    }
+    return large.schedule(group, elements, codec);
   }
 };
 

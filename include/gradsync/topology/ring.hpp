@@ -49,16 +49,16 @@ struct Ring {
     return {.hops = 2 * (group.size() - 1), .fan_in = 1, .segment_elements = segment(elements, group.size(), 0).size()};
   }
 
-  // Seconds to allreduce `elements` values of `value_bytes` each over `link` (topology::Auto): a
-  // pipeline of 2(n-1) hops whose K pieces a segment take (hops + K - 1) piece transfers.
+  // Seconds to allreduce `elements` values of `value_bytes` each over `link` (topology::Auto): each
+  // of the 2(n-1) hops moves a segment, in pieces, over a link that every other segment's hop of
+  // the same step also needs, so pipelining the pieces hides compute, not transfers: every hop
+  // pays a latency per piece and the segment's bytes.
   double predicted_seconds(const Group& group, std::size_t elements, std::size_t value_bytes, const LinkModel& link) const {
     const PipelineShape s = shape(group, elements);
     if (s.hops == 0 || s.segment_elements == 0) return 0;
     const std::size_t chunk = std::max<std::size_t>(1, chunk_elements);
-    const std::size_t pieces = (s.segment_elements + chunk - 1) / chunk;
-    const std::size_t piece = std::min(chunk, s.segment_elements);
-    return static_cast<double>(static_cast<std::size_t>(s.hops) + pieces - 1) *
-           link.seconds(static_cast<double>(piece * value_bytes));
+    const auto pieces = static_cast<double>((s.segment_elements + chunk - 1) / chunk);
+    return s.hops * (pieces * link.latency + static_cast<double>(s.segment_elements * value_bytes) * link.seconds_per_byte);
   }
 
   // The steps are written in topology/ring_phases.hpp, which topology::Hierarchical shares.

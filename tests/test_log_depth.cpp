@@ -1,0 +1,303 @@
+// The log-depth allreduces, topology::RecursiveDoubling and topology::HalvingDoubling, and
+// topology::Auto's choice among them and the ring: schedules that pair up, every rank the same
+// bits as a reference written out by hand, at every group size from 1 to 17 (powers of two and the
+// folded sizes between) with every codec family; the link Auto chooses by, agreed by every rank.
+
+#include <doctest/doctest.h>
+
+#include <bit>
+#include <cmath>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "gradsync/compression/bf16.hpp"
+#include "gradsync/compression/error_feedback.hpp"
+#include "gradsync/compression/fp16.hpp"
+#include "gradsync/compression/none.hpp"
+#include "gradsync/compression/one_bit.hpp"
+#include "gradsync/compression/random_k.hpp"
+#include "gradsync/compression/terngrad.hpp"
+#include "gradsync/compression/top_k.hpp"
+#include "gradsync/compression/two_bit.hpp"
+#include "gradsync/engine/control.hpp"
+#include "gradsync/engine/cost_model.hpp"
+#include "gradsync/engine/exchange.hpp"
+#include "gradsync/topology/auto.hpp"
+#include "support.hpp"
+
+using namespace gradsync;
+using namespace std::chrono_literals;
+
+namespace {
+
+// What both references share: a codec state per (rank, encode site) for as long as the reference
+// lives, as the exchange's encode steps keep theirs across iterations; the fold of the first 2r
+// ranks (even into odd, through the codec) and its undoing.
+template <class C>
+class Reference {
+ public:
+  Reference(const C& codec, int n)
+      : codec_(codec), n_(n), p_(static_cast<int>(std::bit_floor(static_cast<unsigned>(n)))), folded_(n - p_) {}
+
+ protected:
+  // decode(encode(from)) into `to`, with the state of encode site `site` of `rank`; the bytes.
+  std::vector<std::byte> round_trip(int rank, int site, std::span<const float> from, std::span<float> to, DecodeMode mode) {
+    auto [it, fresh] = states_.try_emplace({rank, site});
+    if (fresh) it->second = codec_.make_state(from.size(), DType::f32);
+    std::vector<std::byte> bytes(codec_.max_encoded_bytes(from.size(), DType::f32));
+    bytes.resize(codec_.encode(from, it->second, bytes));
+    codec_.decode(std::span<const std::byte>(bytes), to, mode);
+    return bytes;
+  }
+  int rank_of(int participant) const { return participant < folded_ ? 2 * participant + 1 : participant + folded_; }
+  std::vector<float>& of(std::vector<std::vector<float>>& values, int rank) { return values[static_cast<std::size_t>(rank)]; }
+  void fold(std::vector<std::vector<float>>& values) {
+    for (int i = 0; i < folded_; ++i) round_trip(2 * i, 0, of(values, 2 * i), of(values, 2 * i + 1), DecodeMode::add);
+  }
+  void unfold(std::vector<std::vector<float>>& values) {
+    for (int i = 0; i < folded_; ++i) of(values, 2 * i) = of(values, 2 * i + 1);
+  }
+
+  C codec_;
+  int n_, p_, folded_;
+  std::map<std::pair<int, int>, typename C::State> states_;
+};
+
+// recursive_doubling.hpp written out: participants exchange with the partner at distance 2^k, each
+// pair computing decode(encode(lower)) + decode(encode(higher)); the sum is divided by n.
+template <class C>
+class Butterfly : Reference<C> {
+  using Base = Reference<C>;
+
+ public:
+  using Base::Base;
+
+  std::vector<std::vector<float>> allreduce(std::vector<std::vector<float>> values) {
+    if (this->n_ == 1) return values;
+    this->fold(values);
+    for (int k = 0; (1 << k) < this->p_; ++k)
+      for (int v = 0; v < this->p_; ++v) {
+        const int w = v ^ (1 << k);
+        if (w < v) continue;
+        auto &low = this->of(values, this->rank_of(v)), &high = this->of(values, this->rank_of(w));
+        std::vector<float> sum(low.size());
+        this->round_trip(this->rank_of(v), 1 + k, low, sum, DecodeMode::overwrite);
+        this->round_trip(this->rank_of(w), 1 + k, high, sum, DecodeMode::add);
+        low = high = sum;
+      }
+    for (int v = 0; v < this->p_; ++v)
+      for (float& x : this->of(values, this->rank_of(v))) x /= static_cast<float>(this->n_);
+    this->unfold(values);
+    return values;
+  }
+};
+
+// halving_doubling.hpp written out: segment s of p is summed, round by round, by the participants
+// whose kept half holds it (each adding the partner's encoding of it to its own partial sum), and
+// finished by participant s, which averages it and passes it once through the codec; everyone
+// ends with those bits.
+template <class C>
+class HalvingDoublingReference : Reference<C> {
+  using Base = Reference<C>;
+
+ public:
+  using Base::Base;
+
+  std::vector<std::vector<float>> allreduce(std::vector<std::vector<float>> values) {
+    const int n = this->n_, p = this->p_;
+    if (n == 1) return values;
+    const std::size_t elements = values[0].size();
+    this->fold(values);
+    const auto range = [&](int first, int count) {
+      return ElemRange{topology::Ring::segment(elements, p, first).begin,
+                       topology::Ring::segment(elements, p, first + count - 1).end};
+    };
+    const auto span_of = [&](std::vector<float>& v, ElemRange r) { return std::span<float>(v).subspan(r.begin, r.size()); };
+    std::vector<int> first(static_cast<std::size_t>(p), 0);
+    for (int k = 0, count = p; (1 << k) < p; ++k, count /= 2) {
+      const int distance = p >> (k + 1);
+      // Every encoding of the round first: a participant's half it gives is not what it adds into.
+      std::vector<std::vector<std::byte>> given(static_cast<std::size_t>(p));
+      std::vector<ElemRange> kept(static_cast<std::size_t>(p));
+      for (int v = 0; v < p; ++v) {
+        const bool upper = (v & distance) != 0;
+        const int start = first[static_cast<std::size_t>(v)];
+        const ElemRange give = range(upper ? start : start + count / 2, count / 2);
+        kept[static_cast<std::size_t>(v)] = range(upper ? start + count / 2 : start, count / 2);
+        std::vector<float> scratch(give.size());
+        if (!give.empty())
+          given[static_cast<std::size_t>(v)] =
+              this->round_trip(this->rank_of(v), 1 + k, span_of(this->of(values, this->rank_of(v)), give), scratch,
+                               DecodeMode::overwrite);
+        first[static_cast<std::size_t>(v)] = upper ? start + count / 2 : start;
+      }
+      for (int v = 0; v < p; ++v) {
+        const ElemRange keep = kept[static_cast<std::size_t>(v)];
+        if (!keep.empty())
+          this->codec_.decode(std::span<const std::byte>(given[static_cast<std::size_t>(v ^ distance)]),
+                              span_of(this->of(values, this->rank_of(v)), keep), DecodeMode::add);
+      }
+    }
+    std::vector<float> result(elements);
+    for (int s = 0; s < p; ++s) {
+      const ElemRange own = topology::Ring::segment(elements, p, s);
+      auto& mine = this->of(values, this->rank_of(s));
+      for (std::size_t e = own.begin; e < own.end; ++e) result[e] = mine[e] / static_cast<float>(n);
+      if (!C::identity && !own.empty())
+        this->round_trip(this->rank_of(s), -1, span_of(result, own), span_of(result, own), DecodeMode::overwrite);
+    }
+    for (int v = 0; v < p; ++v) this->of(values, this->rank_of(v)) = result;
+    this->unfold(values);
+    return values;
+  }
+};
+
+// Runs `topology` on in-process ranks, `iterations` times, serially; every rank's values after
+// each iteration.
+template <class C, class Topology>
+std::vector<std::vector<std::vector<float>>> run(const C& codec, const Topology& topology,
+                                                 const std::vector<std::vector<std::vector<float>>>& inputs) {
+  const int n = static_cast<int>(inputs[0].size());
+  auto outputs = inputs;
+  const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+    const Group group = Group::world(t.rank(), n);
+    const auto r = static_cast<std::size_t>(t.rank());
+    engine::BucketExchange<C, transport::InProcess> exchange(
+        topology.schedule(group, inputs[0][0].size(), codec_traits<C>()), codec, DType::f32);
+    for (std::size_t it = 0; it < inputs.size(); ++it)
+      exchange.run(std::span<float>(outputs[it][r]), codec, t, {group, it, 0, 10s});
+  });
+  for (const auto& e : errors) REQUIRE_FALSE(e);
+  return outputs;
+}
+
+template <class Topology, template <class> class Written, class C>
+void check_against_reference(const C& codec) {
+  for (int n = 1; n <= 17; ++n)
+    for (std::size_t elements : {1u, 7u, 1000u}) {
+      CAPTURE(n);
+      CAPTURE(elements);
+      std::vector<std::vector<std::vector<float>>> inputs(3);
+      for (std::size_t it = 0; it < inputs.size(); ++it)
+        for (int r = 0; r < n; ++r)
+          inputs[it].push_back(test::random_values(elements, 977u * it + 31u * static_cast<unsigned>(r) + elements));
+      const auto outputs = run(codec, Topology{}, inputs);
+      Written<C> reference(codec, n);
+      for (std::size_t it = 0; it < inputs.size(); ++it) {
+        CAPTURE(it);
+        const auto expected = reference.allreduce(inputs[it]);
+        for (int r = 0; r < n; ++r) {
+          CAPTURE(r);
+          REQUIRE(std::memcmp(outputs[it][static_cast<std::size_t>(r)].data(), expected[static_cast<std::size_t>(r)].data(),
+                              elements * sizeof(float)) == 0);
+          REQUIRE(std::memcmp(outputs[it][static_cast<std::size_t>(r)].data(), outputs[it][0].data(),
+                              elements * sizeof(float)) == 0);
+        }
+        if constexpr (C::identity)
+          for (std::size_t e = 0; e < elements; ++e) {
+            double exact = 0, scale = 0;
+            for (const auto& in : inputs[it]) exact += in[e], scale += std::fabs(in[e]);
+            REQUIRE(std::fabs(outputs[it][0][e] - exact / n) <= 1e-6 * scale / n);
+          }
+      }
+    }
+}
+
+}  // namespace
+
+TEST_SUITE("log-depth allreduce") {
+  TEST_CASE_TEMPLATE("every rank ends with the reference's bits, at 1 to 17 ranks, with every codec family", C,
+                     compression::None, compression::Fp16, compression::Bf16, compression::TwoBit, compression::OneBit,
+                     compression::TernGrad<2>, compression::TopK, compression::RandomK,
+                     compression::ErrorFeedback<compression::TwoBit>, compression::ErrorFeedback<compression::TopK>) {
+    SUBCASE("recursive doubling") { check_against_reference<topology::RecursiveDoubling, Butterfly>(C{}); }
+    SUBCASE("halving-doubling") { check_against_reference<topology::HalvingDoubling, HalvingDoublingReference>(C{}); }
+  }
+
+  TEST_CASE("log2(n) rounds, two more where n is not a power of two; sends pair with receives of the same size") {
+    CHECK(topology::RecursiveDoubling::dependent_steps(1) == 0);
+    CHECK(topology::RecursiveDoubling::dependent_steps(2) == 1);
+    CHECK(topology::RecursiveDoubling::dependent_steps(3) == 3);
+    CHECK(topology::RecursiveDoubling::dependent_steps(64) == 6);
+    CHECK(topology::RecursiveDoubling::dependent_steps(100) == 8);
+    const auto check = [](const auto& topology) {
+      CAPTURE(topology.describe());
+      for (int n = 1; n <= 17; ++n)
+        for (std::size_t elements : {0u, 1u, 5u, 300u})
+          for (bool identity : {true, false})
+            for (bool receives_at_use : {false, true}) {
+              CAPTURE(n);
+              CAPTURE(elements);
+              CAPTURE(identity);
+              std::map<std::tuple<int, int, std::uint32_t>, std::size_t> sends, recvs;
+              std::set<int> peers_of_zero;
+              for (int r = 0; r < n; ++r) {
+                const Schedule s =
+                    topology.schedule(Group::world(r, n), elements, {.identity = identity, .receives_at_use = receives_at_use});
+                CHECK(s.contributors == n);
+                for (const Step& step : s.steps) {
+                  if (step.op == Step::Op::send) CHECK(sends.emplace(std::tuple{r, step.peer, step.message}, step.range.size()).second);
+                  if (step.op == Step::Op::recv) CHECK(recvs.emplace(std::tuple{step.peer, r, step.message}, step.range.size()).second);
+                  if (r == 0 && engine::is_transfer(step.op)) peers_of_zero.insert(step.peer);
+                  if (step.slot != no_slot) CHECK(s.slot_elements[step.slot] == step.range.size());
+                  CHECK(step.message < (std::uint32_t{1} << 31));
+                }
+              }
+              CHECK(sends == recvs);
+              CHECK(sends.empty() == (n == 1 || elements == 0));
+              // A rank talks to at most log2(n) + 1 peers: what it needs connections to.
+              CHECK(peers_of_zero.size() <= static_cast<std::size_t>(std::bit_width(static_cast<unsigned>(n))));
+            }
+    };
+    check(topology::RecursiveDoubling{});
+    check(topology::HalvingDoubling{});
+  }
+
+  TEST_CASE("Auto: recursive doubling for small buckets, then halving-doubling or the ring, by the link") {
+    using Choice = topology::Auto<>::Choice;
+    const topology::Auto<> chooser{.link = {.latency = 50e-6, .seconds_per_byte = 1.0 / 1.25e9}, .measure_link = false};
+    for (int n : {4, 6, 16, 64, 100, 256}) {
+      CAPTURE(n);
+      const Group group = Group::world(0, n);
+      CHECK(chooser.choose(group, 1024) == Choice::small);             // 4 KiB
+      CHECK(chooser.choose(group, 16u << 20) != Choice::small);        // 64 MiB
+      // As buckets grow the choice moves only towards the bandwidth end.
+      Choice last = Choice::small;
+      for (std::size_t e = 1; e <= (std::size_t{1} << 26); e *= 2) {
+        const Choice now = chooser.choose(group, e);
+        CHECK(now >= last);
+        last = now;
+      }
+      const Schedule small = chooser.schedule(group, 1024, {});
+      CHECK(small.steps.size() == topology::RecursiveDoubling{}.schedule(group, 1024, {}).steps.size());
+    }
+    // Where n is not a power of two the fold costs halving-doubling two whole buckets: large ones
+    // go round the ring.
+    CHECK(chooser.choose(Group::world(0, 6), 16u << 20) == Choice::large);
+    CHECK(chooser.choose(Group::world(0, 64), std::size_t{1} << 18) == Choice::middle);  // 1 MiB
+    // The latency decides: on a link without any, the butterfly's whole buckets never pay.
+    const topology::Auto<> no_latency{.link = {.latency = 0, .seconds_per_byte = 1e-9}, .measure_link = false};
+    CHECK(no_latency.choose(Group::world(0, 8), 1024) != Choice::small);
+    CHECK(chooser.describe() == "auto(recursive-doubling | halving-doubling | ring(chunk=262144), link 50.0 us + 1.250 GB/s)");
+  }
+
+  TEST_CASE("the link is measured on every rank and every rank gets the same figures") {
+    for (int n : {2, 3, 5}) {
+      CAPTURE(n);
+      std::vector<LinkModel> links(static_cast<std::size_t>(n));
+      const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+        const Group group = Group::world(t.rank(), n);  // the channel holds a reference
+        engine::ControlChannel<transport::InProcess> control(t, group, 10s);
+        links[static_cast<std::size_t>(t.rank())] = engine::calibrate_link(control);
+      });
+      for (const auto& e : errors)
+        if (e) FAIL(std::string(e->what()));
+      for (const LinkModel& link : links) {
+        CHECK(link.latency == links[0].latency);
+        CHECK(link.seconds_per_byte == links[0].seconds_per_byte);
+        CHECK(link.latency >= 0);
+      }
+    }
+  }
+}
