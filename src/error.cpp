@@ -44,7 +44,15 @@ Error Error::filled(const ErrorContext& outer) const {
   if (!c.peer) c.peer = outer.peer;
   if (!c.bucket) c.bucket = outer.bucket;
   if (c.operation.empty()) c.operation = outer.operation;
-  return Error(kind_, std::move(c), detail_);
+  Error e(kind_, std::move(c), detail_);
+  e.origin_ = origin_;
+  return e;
+}
+
+Error Error::with_origin(FailureOrigin origin) const {
+  Error e = *this;
+  e.origin_ = std::move(origin);
+  return e;
 }
 
 }  // namespace gradsync

@@ -327,6 +327,33 @@ TEST_SUITE("shared_memory") {
     CHECK_FALSE(segment_exists(job, 3));
   }
 
+  TEST_CASE("a rank killed among 16 on one machine: every survivor names it") {
+    // The first rank to abort is one that saw the death; the others must hear where it began.
+    constexpr int n = 16, dead = 8;
+    const std::string job = fresh_job();
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, SharedMemory> sync(
+          SharedMemory(options(rank, n, job)), {.timeout = 60s});
+      std::vector<float> gradient(16384, 1.0f);
+      sync.add("g", view(gradient));
+      for (int iteration = 0; iteration < 1000; ++iteration) {
+        if (rank == dead && iteration == 3) ::raise(SIGKILL);
+        sync.ready(0);
+        sync.wait();
+      }
+      return "ok";
+    });
+    CHECK(results[dead].signalled());
+    for (int r = 0; r < n; ++r) {
+      if (r == dead) continue;
+      const auto& report = results[static_cast<std::size_t>(r)].report;
+      CAPTURE(report);
+      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+      CHECK(contains(report, "error peer failed"));
+      CHECK((contains(report, fmt::format("peer {},", dead)) || contains(report, fmt::format("rank {} failed first", dead))));
+    }
+  }
+
   TEST_CASE("a local rank stopped past the liveness bound is killed and fails the others, naming it") {
     const std::string job = fresh_job();
     const auto results = test::run_processes(3, [&](int rank) -> std::string {

@@ -211,6 +211,39 @@ TEST_SUITE("tcp") {
     }
   }
 
+  TEST_CASE("a rank killed in a 32-rank job: every survivor fails fast and names it") {
+    // Only the dead rank's ring neighbours see its connections close; the others learn of it from
+    // a neighbour's abort, which must carry where the failure began (rank 0's log, read alone,
+    // must lead to the dead rank).
+    constexpr int n = 32, dead = 16;
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(Tcp(options(rank, n, port)),
+                                                                                    {.timeout = 60s});
+      std::vector<float> gradient(16384, 1.0f);  // 64 KiB
+      sync.add("g", view(gradient));
+      for (int iteration = 0; iteration < 1000; ++iteration) {
+        if (rank == dead && iteration == 3) ::raise(SIGKILL);
+        sync.ready(0);
+        sync.wait();
+      }
+      return "ok";
+    });
+    CHECK(results[dead].signalled());
+    for (int r = 0; r < n; ++r) {
+      if (r == dead) continue;
+      CAPTURE(r);
+      CAPTURE(results[static_cast<std::size_t>(r)].report);
+      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+      CHECK(contains(results[static_cast<std::size_t>(r)].report, "error peer failed"));
+      // The neighbours saw it close; everyone else hears it named first, not through a chain of
+      // each neighbour's own error (which an abort notice's length would cut).
+      const std::string& report = results[static_cast<std::size_t>(r)].report;
+      CHECK((contains(report, fmt::format("rank {} closed its connection", dead)) ||
+             contains(report, fmt::format("rank {} failed first (rank {} closed its connection", dead, dead))));
+    }
+  }
+
   TEST_CASE("a peer killed mid-allreduce makes the others fail fast, naming it") {
     const std::pair<Executor, bool> variants[] = {{Executor::task_graph, false}, {Executor::serial, false},
                                                   {Executor::task_graph, true}};  // (executor, coordinated)
@@ -348,7 +381,9 @@ TEST_SUITE("tcp") {
         CAPTURE(report);
         CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
         CHECK(contains(report, r == 1 ? "error invalid argument" : "error peer failed"));
-        CHECK(contains(report, r == 1 ? "rank 1, bucket" : "rank 1 failed: "));
+        // Told by rank 1 itself ("rank 1 failed: ..."), or through rank 0, which stopped because of
+        // it ("rank 1 failed first (...)").
+        CHECK(contains(report, r == 1 ? "rank 1, bucket" : "rank 1 failed"));
         CHECK(contains(report, R"(never marked ready on this rank: "layer.b")"));
       }
     }

@@ -31,6 +31,15 @@ struct ErrorContext {
   std::string operation{};
 };
 
+// Where a failure that spread from rank to rank began: the rank that failed first and what was
+// said of it (its own error, or what its peers saw when it died). A rank that fails because
+// another did passes this on (transport::Tcp's abort notices carry it), so every rank's Error can
+// name the first failure, however many ranks it went through on its way.
+struct FailureOrigin {
+  int rank = -1;
+  std::string cause{};
+};
+
 class Error : public std::runtime_error {
  public:
   Error(ErrorKind kind, ErrorContext context, std::string detail);
@@ -41,13 +50,18 @@ class Error : public std::runtime_error {
   const std::string& detail() const noexcept { return detail_; }
 
   // The same error with the fields it left empty taken from `outer`: a codec does not know its
-  // rank or bucket, the layer that called it does.
+  // rank or bucket, the layer that called it does. The origin stays.
   Error filled(const ErrorContext& outer) const;
+
+  // Where the failure began, if it began on another rank and the transport knows (FailureOrigin).
+  const std::optional<FailureOrigin>& origin() const noexcept { return origin_; }
+  Error with_origin(FailureOrigin origin) const;
 
  private:
   ErrorKind kind_;
   ErrorContext context_;
   std::string detail_;
+  std::optional<FailureOrigin> origin_;
 };
 
 }  // namespace gradsync

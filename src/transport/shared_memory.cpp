@@ -254,7 +254,8 @@ class SharedMemoryEngine {
     if (!in_time && !serve_until(Clock::now() + lock_patience, settled))
       throw Error(ErrorKind::peer_failed, context(r.peer_, r.is_send_ ? "send" : "recv"),
                   fmt::format("the {} (tag {:#x}) was matched but never completed: rank {} died copying it",
-                              r.is_send_ ? "send" : "receive", r.tag_, launch_rank(r.peer_)));
+                              r.is_send_ ? "send" : "receive", r.tag_, launch_rank(r.peer_)))
+          .with_origin({launch_rank(r.peer_), "died copying a message"});
     if (r.state_.load(std::memory_order_acquire) == Request::State::failed) throw *r.error_;
     return r.transferred_;
   }
@@ -286,7 +287,10 @@ class SharedMemoryEngine {
     shm::Header& h = segment_.header();
     int expected = -1;
     if (h.failed_rank.compare_exchange_strong(expected, rank_)) {
-      const std::string text(cause.what());
+      // Where the failure began, so that every rank of the machine names it (error.hpp).
+      const auto& origin = cause.origin();
+      h.origin_rank = origin ? origin->rank : launch_rank(rank_);
+      const std::string text = origin ? origin->cause : std::string(cause.what());
       const std::size_t n = std::min(text.size(), h.failure.size() - 1);
       std::memcpy(h.failure.data(), text.data(), n);
       h.failure[n] = '\0';
@@ -503,14 +507,20 @@ class SharedMemoryEngine {
     const int failed = h.failed_rank.load(std::memory_order_acquire);
     if (failed >= 0) {
       while (h.failure_written.load(std::memory_order_acquire) == 0) std::this_thread::yield();
+      const FailureOrigin origin{h.origin_rank, h.failure.data()};
       if (failed == rank_)
-        return Error(ErrorKind::peer_failed, context(peer, operation),
-                     fmt::format("this rank aborted: {}", h.failure.data()));
-      return Error(ErrorKind::peer_failed, {.rank = launch_rank(rank_), .peer = launch_rank(failed), .operation = operation},
-                   fmt::format("rank {} failed: {}", launch_rank(failed), h.failure.data()));
+        return Error(ErrorKind::peer_failed, context(peer, operation), fmt::format("this rank aborted: {}", origin.cause))
+            .with_origin(origin);
+      const int stopped = launch_rank(failed);
+      return Error(ErrorKind::peer_failed, {.rank = launch_rank(rank_), .peer = stopped, .operation = operation},
+                   origin.rank == stopped ? fmt::format("rank {} failed: {}", stopped, origin.cause)
+                                          : fmt::format("rank {} failed first ({}), and rank {} stopped because of it",
+                                                        origin.rank, origin.cause, stopped))
+          .with_origin(origin);
     }
     if (peer >= 0 && peer_gone(peer))
-      return Error(ErrorKind::peer_failed, context(peer, operation), departure(peer));
+      return Error(ErrorKind::peer_failed, context(peer, operation), departure(peer))
+          .with_origin({launch_rank(peer), departure(peer)});
     return std::nullopt;
   }
 
@@ -670,7 +680,8 @@ class SharedMemoryEngine {
         if (rec.copy_errno == ESRCH) {  // the other process is gone: it died before its liveness was checked
           r->error_ = Error(ErrorKind::peer_failed, context(rec.peer, operation),
                             fmt::format("rank {} is gone: the copy of {} bytes (tag {:#x}) found no process",
-                                        launch_rank(rec.peer), rec.size, rec.tag));
+                                        launch_rank(rec.peer), rec.size, rec.tag))
+                          .with_origin({launch_rank(rec.peer), "its process is gone"});
           break;
         }
         [[fallthrough]];

@@ -30,7 +30,7 @@ namespace gradsync::transport::shm {
 namespace ipc = boost::interprocess;
 
 inline constexpr std::uint32_t segment_magic = 0x6d687367;  // "gshm"
-inline constexpr std::uint32_t segment_version = 8;
+inline constexpr std::uint32_t segment_version = 9;
 inline constexpr std::uint32_t no_record = 0xffffffffu;
 inline constexpr std::uint64_t not_shared = ~std::uint64_t{0};  // Record::shared_offset of a private buffer
 inline constexpr std::size_t page_bytes = 4096;
@@ -117,9 +117,12 @@ struct Header {
   ipc::interprocess_mutex setup_mutex;
   ipc::interprocess_condition setup_changed;
   std::uint32_t attached = 0;  // guarded by setup_mutex
-  // The first failure (an abort), for every rank to report: who, and its message.
+  // The first failure (an abort), for every rank to report: who, where it began (the launch rank
+  // of gradsync::FailureOrigin: another rank's failure may have caused this one), and what was said
+  // of that.
   std::atomic<std::int32_t> failed_rank{-1};
   std::atomic<std::uint32_t> failure_written{0};
+  std::int32_t origin_rank = -1;  // written before failure_written
   std::array<char, 512> failure{};
   std::uint64_t arenas_at = 0;    // offset of local rank 0's arena; the others follow it
   std::uint64_t arena_bytes = 0;  // each rank's (local rank 0's SharedMemoryOptions::arena_bytes, page aligned)

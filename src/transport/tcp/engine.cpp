@@ -317,7 +317,7 @@ void TcpEngine::read_header(Connection& c) {
     std::string why;
     const auto header = tcp_wire::decode_header(c.in_header, why);
     if (!header) return fail_peer(peer, protocol_error(options_.rank, peer, why));
-    if (header->type == tcp_wire::FrameType::abort) return read_abort_reason(c, header->length);
+    if (header->type == tcp_wire::FrameType::abort) return read_abort_reason(c, header->tag, header->length);
     if (header->type == tcp_wire::FrameType::heartbeat && header->length == 0) {
       {
         std::lock_guard lock(mutex_);
@@ -437,12 +437,13 @@ void TcpEngine::check_liveness() {
         silent.emplace_back(static_cast<int>(peer), now - p.heard);
     }
   }
-  for (const auto& [peer, quiet] : silent)
-    fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "liveness"),
-                          fmt::format("heard nothing from rank {} for {} ms (the bound is {} ms): its process stopped, or "
-                                      "its machine or the link to it is down",
-                                      peer, std::chrono::duration_cast<std::chrono::milliseconds>(quiet).count(),
-                                      options_.liveness.count())));
+  for (const auto& [peer, quiet] : silent) {
+    const std::string what = fmt::format(
+        "heard nothing from rank {} for {} ms (the bound is {} ms): its process stopped, or its machine or the link "
+        "to it is down",
+        peer, std::chrono::duration_cast<std::chrono::milliseconds>(quiet).count(), options_.liveness.count());
+    fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "liveness"), what).with_origin({peer, what}));
+  }
   arm_liveness();
 }
 
@@ -456,13 +457,19 @@ void TcpEngine::write_heartbeat(Connection& c) {
   });
 }
 
-void TcpEngine::read_abort_reason(Connection& c, std::uint64_t length) {
+// An abort notice: the peer gave up, because of a failure that began at the rank its tag names
+// (wire.hpp), which this rank's Error names first.
+void TcpEngine::read_abort_reason(Connection& c, std::uint64_t tag, std::uint64_t length) {
   const int peer = c.peer;
   if (length > c.reason.size())
     return fail_peer(peer, protocol_error(options_.rank, peer, fmt::format("abort notice of {} bytes", length)));
-  asio::async_read(c.socket, asio::buffer(c.reason.data(), length), [this, &c, peer, length](const error_code& ec, std::size_t) {
+  const int origin = tag > 0 && tag <= static_cast<std::uint64_t>(options_.world_size) ? static_cast<int>(tag - 1) : peer;
+  asio::async_read(c.socket, asio::buffer(c.reason.data(), length), [this, &c, peer, origin, length](const error_code& ec, std::size_t) {
     const std::string reason = ec ? std::string("(reason lost)") : std::string(c.reason.data(), length);
-    fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "recv"), fmt::format("rank {} failed: {}", peer, reason)));
+    const std::string detail =
+        origin == peer ? fmt::format("rank {} failed: {}", peer, reason)
+                       : fmt::format("rank {} failed first ({}), and rank {} stopped because of it", origin, reason, peer);
+    fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "recv"), detail).with_origin({origin, reason}));
   });
 }
 
@@ -477,16 +484,17 @@ void TcpEngine::closed_between_frames(Connection& c) {
     for (const auto& other : peers_[static_cast<std::size_t>(c.peer)].connections)
       if (!other->closed) return;
   }
-  fail_peer(c.peer, Error(ErrorKind::peer_failed, where(c.peer, "connection"),
-                          fmt::format("rank {} closed its connections (it exited or failed)", c.peer)));
+  const std::string what = fmt::format("rank {} closed its connections (it exited or failed)", c.peer);
+  fail_peer(c.peer, Error(ErrorKind::peer_failed, where(c.peer, "connection"), what).with_origin({c.peer, what}));
 }
 
 void TcpEngine::connection_broke(int peer, const error_code& ec) {
   if (ec == asio::error::operation_aborted) return;  // we closed it
   const bool closed = ec == asio::error::eof || ec == asio::error::connection_reset || ec == asio::error::broken_pipe;
-  fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "connection"),
-                        closed ? fmt::format("rank {} closed its connection in the middle of a message (it exited or failed)", peer)
-                               : fmt::format("connection to rank {} failed: {}", peer, ec.message())));
+  const std::string what =
+      closed ? fmt::format("rank {} closed its connection in the middle of a message (it exited or failed)", peer)
+             : fmt::format("connection to rank {} failed: {}", peer, ec.message());
+  fail_peer(peer, Error(ErrorKind::peer_failed, where(peer, "connection"), what).with_origin({peer, what}));
 }
 
 // Every operation with `peer` fails with `e`, and its sockets close.
@@ -494,6 +502,7 @@ void TcpEngine::fail_peer(int peer, const Error& e) {
   std::lock_guard lock(mutex_);
   Peer& p = peers_[static_cast<std::size_t>(peer)];
   if (p.failure) return;
+  if (!first_origin_ && e.origin()) first_origin_ = e.origin();
   fail_pending(p, e);
   close_sockets(p);
 }
@@ -532,8 +541,12 @@ void TcpEngine::begin_abort() {
   std::vector<Connection*> between_frames;
   {
     std::lock_guard lock(mutex_);
-    const std::string reason = std::string(aborted_->what()).substr(0, tcp_wire::max_reason_bytes);
-    const auto header = tcp_wire::encode(tcp_wire::FrameHeader{tcp_wire::FrameType::abort, 0, reason.size()});
+    // Where the failure began: as the cause says, else where the first peer failure this rank saw
+    // began (a layer above may have rewrapped the cause), else here.
+    const std::optional<FailureOrigin> origin = aborted_->origin() ? aborted_->origin() : first_origin_;
+    const std::string reason = (origin ? origin->cause : std::string(aborted_->what())).substr(0, tcp_wire::max_reason_bytes);
+    const auto header = tcp_wire::encode(tcp_wire::FrameHeader{
+        tcp_wire::FrameType::abort, static_cast<std::uint64_t>((origin ? origin->rank : options_.rank) + 1), reason.size()});
     abort_notice_.assign(header.begin(), header.end());
     for (char ch : reason) abort_notice_.push_back(static_cast<std::byte>(ch));
     for (std::size_t peer = 0; peer < peers_.size(); ++peer) {

@@ -104,7 +104,7 @@ class TcpEngine {
   void read_header(Connection& c);
   void start_payload(Connection& c, Request& r);
   void read_payload(Connection& c, std::uint64_t length, std::uint64_t done);
-  void read_abort_reason(Connection& c, std::uint64_t length);
+  void read_abort_reason(Connection& c, std::uint64_t tag, std::uint64_t length);
 
   // Liveness, on the io thread.
   void arm_liveness();
@@ -133,6 +133,7 @@ class TcpEngine {
   std::vector<Peer> peers_;
   Matcher<Request> to_self_;  // this rank's messages to itself
   std::optional<Error> aborted_;
+  std::optional<FailureOrigin> first_origin_;  // where the first peer failure seen here began
   std::shared_future<void> aborted_closed_;  // ready once abort() has let go of every buffer
 
   // Aborting, on the io thread only: the notice every peer gets, the sockets still owed one, the

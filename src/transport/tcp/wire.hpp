@@ -14,7 +14,8 @@
 //   header (24 bytes)  magic "GSYN" | u8 type | 3 bytes reserved (0) | u64 tag | u64 payload length
 //   payload            `length` bytes
 // Types: data (1) carries a message; abort (2) carries a UTF-8 reason of at most 4096 bytes from
-// a rank that is giving up; address (3) and table (4) carry the rendezvous text: "host port" of
+// a rank that is giving up, its tag 1 + the rank where the failure began (gradsync::FailureOrigin;
+// the reason is what was said of that rank), or 0 where the sender does not say; address (3) and table (4) carry the rendezvous text: "host port" of
 // one rank, or of every rank one per line in rank order; heartbeat (5), tag 0 and no payload, says
 // the sender is alive when it has had nothing else to send for a while.
 
