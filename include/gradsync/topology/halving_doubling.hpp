@@ -19,8 +19,8 @@
 // decoded to the same values everywhere. With the identity codec the blocks travel in place, one
 // message per round.
 //
-// Any n: the first 2r ranks fold pairwise as in RecursiveDoubling (recursive_doubling.hpp) and get
-// the average back uncompressed.
+// Any n: the first 2r ranks fold pairwise onto the participants and get the average back
+// uncompressed (fold.hpp).
 //
 // Message ids: 0 the fold-in, 1 + k reduce-scatter round k, then with the identity codec 1 + L + j
 // allgather round j, with a codec 1 + L + s segment s's encoding (a segment crosses a pair at most
@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/topology/fold.hpp"
 #include "gradsync/topology/recursive_doubling.hpp"
 #include "gradsync/topology/ring_phases.hpp"
 
@@ -60,47 +61,22 @@ struct HalvingDoubling {
     const int n = group.size();
     out.contributors = n;
     if (n == 1 || elements == 0) return out;
-    const int levels = RecursiveDoubling::rounds(n), p = 1 << levels;
-    const int folded = n - p;
-    const int g = group.rank;
+    const detail::Fold fold(group);
+    const int levels = fold.levels(), p = fold.participants();
     const ElemRange all{0, elements};
     const bool encoded = !codec.identity;
-    auto& steps = out.steps;
-    const auto slot = [&](std::size_t size) {
-      out.slot_elements.push_back(size);
-      return static_cast<std::uint32_t>(out.slot_elements.size() - 1);
-    };
-    const auto add = [&](Step step) {
-      steps.push_back(step);
-      return static_cast<std::uint32_t>(steps.size() - 1);
-    };
+    detail::ScheduleBuilder b{out};
     const auto gather_id = [&](int index) { return static_cast<std::uint32_t>(1 + levels + index); };
     const auto fold_out = static_cast<std::uint32_t>(1 + levels + (encoded ? p : levels));
-
-    if (g < 2 * folded && g % 2 == 0) {  // folded in, as in RecursiveDoubling
-      std::uint32_t send;
-      if (encoded) {
-        const std::uint32_t s = slot(elements);
-        add({.op = Step::Op::encode, .range = all, .slot = s});
-        send = add({.op = Step::Op::send, .peer = g + 1, .message = 0, .range = all, .slot = s});
-      } else {
-        send = add({.op = Step::Op::send, .peer = g + 1, .message = 0, .range = all});
-      }
-      add({.op = Step::Op::recv, .peer = g + 1, .message = fold_out, .range = all, .after = send});
+    if (fold.handed_on()) {
+      fold.hand_on(b, all, encoded, fold_out);
       return out;
     }
-
-    const int v = g < 2 * folded ? g / 2 : g - folded;
-    const auto group_index = [&](int participant) { return participant < folded ? 2 * participant + 1 : participant + folded; };
+    const int v = fold.participant();
     const auto block = [&](int first, int count) {
       return ElemRange{detail::segment(elements, p, first).begin, detail::segment(elements, p, first + count - 1).end};
     };
-    const bool fold = g < 2 * folded;
-    if (fold) {
-      const std::uint32_t s = slot(elements);
-      const std::uint32_t arrived = add({.op = Step::Op::recv, .peer = g - 1, .message = 0, .range = all, .slot = s});
-      add({.op = Step::Op::decode_add, .range = all, .slot = s, .after = arrived});
-    }
+    fold.take_in(b, all);
 
     // Reduce-scatter. Round k's halves, and its receive (up front unless receives are at use).
     struct Round {
@@ -113,7 +89,7 @@ struct HalvingDoubling {
       const int distance = p >> (k + 1), half = count / 2;
       const bool upper = (v & distance) != 0;
       Round& round = rounds[static_cast<std::size_t>(k)];
-      round.partner = group_index(v ^ distance);
+      round.partner = fold.group_index(v ^ distance);
       round.keep = block(upper ? first + half : first, half);
       round.give = block(upper ? first : first + half, half);
       first = upper ? first + half : first;
@@ -122,8 +98,8 @@ struct HalvingDoubling {
     const auto post_arrival = [&](int k) {
       Round& round = rounds[static_cast<std::size_t>(k)];
       if (round.keep.empty()) return;
-      round.arrival_slot = slot(round.keep.size());
-      round.arrival = add({.op = Step::Op::recv, .peer = round.partner, .message = static_cast<std::uint32_t>(1 + k),
+      round.arrival_slot = b.slot(round.keep.size());
+      round.arrival = b.add({.op = Step::Op::recv, .peer = round.partner, .message = static_cast<std::uint32_t>(1 + k),
                            .range = round.keep, .slot = round.arrival_slot});
     };
     if (!codec.receives_at_use)
@@ -133,16 +109,16 @@ struct HalvingDoubling {
       const auto message = static_cast<std::uint32_t>(1 + k);
       if (!round.give.empty()) {
         if (encoded) {
-          const std::uint32_t s = slot(round.give.size());
-          add({.op = Step::Op::encode, .range = round.give, .slot = s});
-          round.send = add({.op = Step::Op::send, .peer = round.partner, .message = message, .range = round.give, .slot = s});
+          const std::uint32_t s = b.slot(round.give.size());
+          b.add({.op = Step::Op::encode, .range = round.give, .slot = s});
+          round.send = b.add({.op = Step::Op::send, .peer = round.partner, .message = message, .range = round.give, .slot = s});
         } else {
-          round.send = add({.op = Step::Op::send, .peer = round.partner, .message = message, .range = round.give});
+          round.send = b.add({.op = Step::Op::send, .peer = round.partner, .message = message, .range = round.give});
         }
       }
       if (codec.receives_at_use) post_arrival(k);
       if (round.arrival != no_step)
-        add({.op = Step::Op::decode_add, .range = round.keep, .slot = round.arrival_slot, .after = round.arrival});
+        b.add({.op = Step::Op::decode_add, .range = round.keep, .slot = round.arrival_slot, .after = round.arrival});
     }
 
     // This participant's segment: averaged, and with a codec passed once through it.
@@ -150,35 +126,35 @@ struct HalvingDoubling {
     std::vector<std::uint32_t> finished(static_cast<std::size_t>(p), no_slot);  // per segment, its encoding
     std::vector<std::uint32_t> landed(static_cast<std::size_t>(p), no_step);    // ... and the receive that brought it
     if (!own.empty()) {
-      add({.op = Step::Op::average, .range = own});
+      b.add({.op = Step::Op::average, .range = own});
       if (encoded) {
-        finished[static_cast<std::size_t>(v)] = slot(own.size());
-        add({.op = Step::Op::encode, .range = own, .slot = finished[static_cast<std::size_t>(v)]});
-        add({.op = Step::Op::decode_copy, .range = own, .slot = finished[static_cast<std::size_t>(v)]});
+        finished[static_cast<std::size_t>(v)] = b.slot(own.size());
+        b.add({.op = Step::Op::encode, .range = own, .slot = finished[static_cast<std::size_t>(v)]});
+        b.add({.op = Step::Op::decode_copy, .range = own, .slot = finished[static_cast<std::size_t>(v)]});
       }
     }
 
     // Allgather: at distance d this participant holds the d segments from v & ~(d - 1).
     std::uint32_t gathered = no_step;  // identity: the previous round's receive, which the next send forwards
     for (int j = 0; j < levels; ++j) {
-      const int distance = 1 << j, partner = group_index(v ^ distance);
+      const int distance = 1 << j, partner = fold.group_index(v ^ distance);
       const int mine = v & ~(distance - 1), theirs = (v ^ distance) & ~(distance - 1);
       if (!encoded) {
         const auto message = gather_id(j);
         const ElemRange out_block = block(mine, distance), in_block = block(theirs, distance);
         if (!out_block.empty())
-          add({.op = Step::Op::send, .peer = partner, .message = message, .range = out_block, .after = gathered});
+          b.add({.op = Step::Op::send, .peer = partner, .message = message, .range = out_block, .after = gathered});
         // In place, over the half this participant gave away in the reduce-scatter round of the
         // same distance, whose send may still be reading it.
         if (!in_block.empty())
-          gathered = add({.op = Step::Op::recv, .peer = partner, .message = message, .range = in_block,
+          gathered = b.add({.op = Step::Op::recv, .peer = partner, .message = message, .range = in_block,
                           .after = rounds[static_cast<std::size_t>(levels - 1 - j)].send});
         continue;
       }
       for (int s = mine; s < mine + distance; ++s) {
         const ElemRange range = detail::segment(elements, p, s);
         if (range.empty()) continue;
-        add({.op = Step::Op::send, .peer = partner, .message = gather_id(s), .range = range,
+        b.add({.op = Step::Op::send, .peer = partner, .message = gather_id(s), .range = range,
              .slot = finished[static_cast<std::size_t>(s)], .after = landed[static_cast<std::size_t>(s)]});
       }
       // Every receive of the round before the first decode waits for one: over NCCL's
@@ -187,19 +163,19 @@ struct HalvingDoubling {
         const ElemRange range = detail::segment(elements, p, s);
         if (range.empty()) continue;
         const auto i = static_cast<std::size_t>(s);
-        finished[i] = slot(range.size());
-        landed[i] = add({.op = Step::Op::recv, .peer = partner, .message = gather_id(s), .range = range, .slot = finished[i]});
+        finished[i] = b.slot(range.size());
+        landed[i] = b.add({.op = Step::Op::recv, .peer = partner, .message = gather_id(s), .range = range, .slot = finished[i]});
       }
       for (int s = theirs; s < theirs + distance; ++s) {
         const ElemRange range = detail::segment(elements, p, s);
         const auto i = static_cast<std::size_t>(s);
         if (!range.empty())
-          add({.op = Step::Op::decode_copy, .range = range, .slot = finished[i], .after = landed[i]});
+          b.add({.op = Step::Op::decode_copy, .range = range, .slot = finished[i], .after = landed[i]});
       }
     }
-    // With the identity codec the last block arrived in place: the send waits for it (with a codec
-    // the decodes after each receive did).
-    if (fold) add({.op = Step::Op::send, .peer = g - 1, .message = fold_out, .range = all, .after = gathered});
+    // With the identity codec the last block arrived in place: the average goes back once it is
+    // there (with a codec the decodes after each receive waited).
+    fold.give_back(b, all, fold_out, gathered);
     return out;
   }
 };

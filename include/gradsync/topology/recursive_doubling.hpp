@@ -8,15 +8,11 @@
 // in a butterfly, and adds what arrives: after log2(p) rounds every rank holds the sum of all p
 // (MPICH's and Open MPI's choice below about 10 KB; Thakur, Rabenseifner and Gropp, "Optimization
 // of Collective Communication Operations in MPICH", 2005). Each rank sends log2(p) whole buckets
-// instead of the ring's 2(n-1)/n of one, so above some size the ring wins: topology::Auto makes
-// that choice per bucket.
+// instead of about 2 of one, so above some size halving-doubling or the ring wins: topology::Auto
+// makes that choice per bucket.
 //
-// Any n. With p the largest power of two not above n and r = n - p, the first 2r group ranks pair
-// up before the butterfly: even rank 2i sends its bucket (through the codec) to odd rank 2i+1,
-// which adds it and takes part in the butterfly as participant i; ranks 2r.. take part as
-// participants r... (Rabenseifner's folding). After the butterfly each odd rank sends the final
-// average to its even partner as it is, uncompressed, so that the partner ends with the same bits.
-// n not a power of two costs two rounds more.
+// Any n: the first 2r ranks fold pairwise onto p = 2^floor(log2 n) participants before the
+// butterfly and get the average back after it (fold.hpp): two whole-bucket steps more.
 //
 // The same bits on every rank. Entering round k, participants v and w = v ^ 2^k each hold the sum
 // over their own half of the butterfly. Both compute decode(encode(lower's)) + decode(encode(
@@ -36,6 +32,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/topology/fold.hpp"
 
 namespace gradsync::topology {
 
@@ -64,76 +61,49 @@ struct RecursiveDoubling {
     const int n = group.size();
     out.contributors = n;
     if (n == 1 || elements == 0) return out;
-    const int levels = rounds(n);
-    const int folded = n - (1 << levels);  // r: pairs folded before the butterfly
-    const int g = group.rank;
+    const detail::Fold fold(group);
+    const int levels = fold.levels(), g = group.rank;
     const ElemRange all{0, elements};
     const bool encoded = !codec.identity;
-    auto& steps = out.steps;
-    const auto slot = [&] {
-      out.slot_elements.push_back(elements);
-      return static_cast<std::uint32_t>(out.slot_elements.size() - 1);
-    };
-    const auto add = [&](Step step) {
-      steps.push_back(step);
-      return static_cast<std::uint32_t>(steps.size() - 1);
-    };
-    const std::uint32_t fold_out = static_cast<std::uint32_t>(1 + levels);
-
-    if (g < 2 * folded && g % 2 == 0) {  // folded in: hand the bucket on, take the average back
-      std::uint32_t send;
-      if (encoded) {
-        const std::uint32_t s = slot();
-        add({.op = Step::Op::encode, .range = all, .slot = s});
-        send = add({.op = Step::Op::send, .peer = g + 1, .message = 0, .range = all, .slot = s});
-      } else {
-        send = add({.op = Step::Op::send, .peer = g + 1, .message = 0, .range = all});
-      }
-      // In place, over the values the send may still be reading.
-      add({.op = Step::Op::recv, .peer = g + 1, .message = fold_out, .range = all, .after = send});
+    detail::ScheduleBuilder b{out};
+    const auto fold_out = static_cast<std::uint32_t>(1 + levels);
+    if (fold.handed_on()) {
+      fold.hand_on(b, all, encoded, fold_out);
       return out;
     }
-
-    // A participant: v is its place in the butterfly.
-    const int v = g < 2 * folded ? g / 2 : g - folded;
-    const auto group_index = [&](int participant) { return participant < folded ? 2 * participant + 1 : participant + folded; };
-    std::uint32_t fold_in = no_step, fold_slot = no_slot;
-    if (g < 2 * folded) {
-      fold_slot = slot();
-      fold_in = add({.op = Step::Op::recv, .peer = g - 1, .message = 0, .range = all, .slot = fold_slot});
-    }
+    const int v = fold.participant();
+    fold.take_in(b, all);
     // Every round's receive into a slot of its own, all up front, so that a partner ahead of this
     // rank finds them posted; with receives at use (CodecTraits), each after its round's send.
     std::vector<std::uint32_t> arrivals(static_cast<std::size_t>(levels), no_step), arrival_slots(arrivals.size());
     const auto post_arrival = [&](int k) {
       const auto i = static_cast<std::size_t>(k);
-      arrival_slots[i] = slot();
-      arrivals[i] = add({.op = Step::Op::recv, .peer = group_index(v ^ (1 << k)),
-                         .message = static_cast<std::uint32_t>(1 + k), .range = all, .slot = arrival_slots[i]});
+      arrival_slots[i] = b.slot(elements);
+      arrivals[i] = b.add({.op = Step::Op::recv, .peer = fold.group_index(v ^ (1 << k)),
+                           .message = static_cast<std::uint32_t>(1 + k), .range = all, .slot = arrival_slots[i]});
     };
     if (!codec.receives_at_use)
       for (int k = 0; k < levels; ++k) post_arrival(k);
-    if (fold_in != no_step) add({.op = Step::Op::decode_add, .range = all, .slot = fold_slot, .after = fold_in});
     for (int k = 0; k < levels; ++k) {
-      const int partner = group_index(v ^ (1 << k));
-      const std::uint32_t mine = slot();
+      const int partner = fold.group_index(v ^ (1 << k));
+      const std::uint32_t mine = b.slot(elements);
       // The values go through the slot even with the identity codec: they are overwritten below
       // while the send may still be reading.
-      add({.op = Step::Op::encode, .range = all, .slot = mine});
-      add({.op = Step::Op::send, .peer = partner, .message = static_cast<std::uint32_t>(1 + k), .range = all, .slot = mine});
+      b.add({.op = Step::Op::encode, .range = all, .slot = mine});
+      b.add({.op = Step::Op::send, .peer = partner, .message = static_cast<std::uint32_t>(1 + k), .range = all, .slot = mine});
       if (codec.receives_at_use) post_arrival(k);
       const std::uint32_t theirs = arrival_slots[static_cast<std::size_t>(k)];
       const std::uint32_t arrived = arrivals[static_cast<std::size_t>(k)];
       if (g < partner) {
-        if (encoded) add({.op = Step::Op::decode_copy, .range = all, .slot = mine});
-        add({.op = Step::Op::decode_add, .range = all, .slot = theirs, .after = arrived});
+        if (encoded) b.add({.op = Step::Op::decode_copy, .range = all, .slot = mine});
+        b.add({.op = Step::Op::decode_add, .range = all, .slot = theirs, .after = arrived});
       } else {
-        add({.op = Step::Op::decode_copy, .range = all, .slot = theirs, .after = arrived});
-        add({.op = Step::Op::decode_add, .range = all, .slot = mine});
+        b.add({.op = Step::Op::decode_copy, .range = all, .slot = theirs, .after = arrived});
+        b.add({.op = Step::Op::decode_add, .range = all, .slot = mine});
       }
     }
-    add({.op = Step::Op::average, .range = all});
-    if (fold_in != no_step) add({.op = Step::Op::send, .peer = g - 1, .message = fold_out, .range = all});
+    b.add({.op = Step::Op::average, .range = all});
+    fold.give_back(b, all, fold_out, no_step);
     return out;
   }
 };
