@@ -356,9 +356,6 @@ TEST_SUITE("synchronizer") {
       compare(n, topology::ParameterServer{.partitions = 3, .servers = 2}, n);
       compare(n, topology::ParameterServer{.partitions = 5, .servers = 1, .dedicated = true, .chunk_elements = 23}, n - 1);
       compare(n, topology::Hierarchical{.ranks_per_machine = n % 2 == 0 ? 2 : n, .chunk_elements = 37}, n);
-      // A link on which the small buckets take recursive doubling and "w" halving-doubling at 4
-      // ranks, the ring at 3 and 5 (where the fold costs halving-doubling two whole buckets).
-      compare(n, topology::Auto<>{.link = {.latency = 1e-3, .seconds_per_byte = 1e-5}, .measure_link = false}, n);
     }
   }
 
@@ -390,6 +387,28 @@ TEST_SUITE("synchronizer") {
           CHECK(line.find("bucket 2: ") != std::string::npos);
         }
       }
+  }
+
+  TEST_CASE_TEMPLATE("topology::Auto on the task graph: the serial executor's bits, every rank alike", C, compression::None,
+                     compression::ErrorFeedback<compression::TwoBit>) {
+    // A link on which the small buckets take recursive doubling and "w" halving-doubling at 4
+    // ranks, the ring at 3 and 5 (where the fold costs halving-doubling two whole buckets).
+    using Sync = Synchronizer<bucketing::PerTensor, C, topology::Auto<>, InProcess>;
+    const std::vector<Spec> specs{{"w", 1000, DType::f32}, {"one", 1, DType::f32}, {"five", 5, DType::f32},
+                                  {"h.f64", 97, DType::f64}, {"b.bf16", 13, DType::bf16}};
+    const topology::Auto<> chooser{.link = {.latency = 1e-3, .seconds_per_byte = 1e-5}, .measure_link = false};
+    for (int n : {2, 3, 4, 5}) {
+      CAPTURE(n);
+      const auto serial = results_of<Sync>(n, specs, 3, {.executor = Executor::serial}, {}, chooser);
+      const auto graph = results_of<Sync>(n, specs, 3, {.executor = Executor::task_graph, .compute_threads = 3}, {}, chooser);
+      for (std::size_t it = 0; it < serial.size(); ++it)
+        for (std::size_t r = 0; r < serial[it].size(); ++r) {
+          CAPTURE(it);
+          CAPTURE(r);
+          CHECK(same_bits(graph[it][r], serial[it][r]));
+          CHECK(same_bits(graph[it][r], graph[it][0]));
+        }
+    }
   }
 
   TEST_CASE("topology::Auto: the link measured and agreed, each bucket's choice logged, the same bits everywhere") {
