@@ -6,10 +6,11 @@
 //
 // Each candidate predicts its time for a bucket (PredictedTopology, concepts.hpp) over `link`, one
 // message's cost between two ranks (LinkModel, schedule.hpp); the bucket takes the fastest, the
-// smaller kind on a tie. At 64 ranks and 50 us per message, a 4 KiB bucket takes 6 butterfly rounds
-// instead of the ring's 126 hops; the ring wins back once log2(n) whole buckets on the wire cost
-// more than 2(n-1) latencies. Buckets are measured in f32 values (schedule() is not told the
-// dtype; an f64 bucket is predicted at half its bytes).
+// smaller kind on a tie. At 64 ranks, 50 us and 1.25 GB/s per message, a 4 KiB bucket takes 6
+// butterfly rounds instead of the ring's 126 hops; from about 90 KB halving-doubling's 12 rounds
+// of shrinking pieces cost less than 6 whole buckets; where n is not a power of two the fold's two
+// whole buckets hand large ones to the ring. Buckets are measured in f32 values (schedule() is not
+// told the dtype; an f64 bucket is predicted at half its bytes).
 //
 // The link. A Synchronizer measures it at the first synchronization (engine::calibrate_link: a
 // message to the ring neighbour at three sizes, fitted to latency + bytes / bandwidth) and every
