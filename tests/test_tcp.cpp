@@ -73,11 +73,35 @@ struct RawPeer {
     }
     return true;
   }
-  // Plays rank 1 of 2 through the handshake and the rendezvous; returns rank 0's hello.
+  // Plays rank 1 of 2 through the rendezvous: reports to rank 0 where it listens, then takes rank
+  // 0's connection (rank 1's parent in the table's tree) and the table on it, which becomes `fd`.
+  // Returns rank 0's hello from the report (there, with another version, the fake stops).
   std::optional<transport::tcp_wire::Hello> join(std::uint16_t version = transport::tcp_wire::version,
                                                   std::string_view with_token = token) {
     namespace wire = transport::tcp_wire;
-    const auto own = wire::encode(wire::Hello{.version = version, .rank = 1, .world_size = 2, .connection = 0});
+    const auto hello = greet(version, 1, with_token);  // connection 1 of a 1-socket pair: the report
+    if (version != wire::version || !hello) return hello;
+    const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof addr;
+    ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    ::listen(listener, 4);
+    ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length);
+    send_text(wire::FrameType::address, "127.0.0.1 " + std::to_string(ntohs(addr.sin_port)));
+    const bool acknowledged = receive_text().has_value();
+    ::close(fd);
+    fd = acknowledged ? ::accept(listener, nullptr, nullptr) : -1;
+    ::close(listener);
+    if (fd < 0 || !greet(wire::version, 0, with_token) || !receive_text()) return std::nullopt;
+    return hello;
+  }
+  // Both hellos, then both proofs (those only where the versions match); returns the peer's hello.
+  std::optional<transport::tcp_wire::Hello> greet(std::uint16_t version, std::uint32_t connection,
+                                                   std::string_view with_token) {
+    namespace wire = transport::tcp_wire;
+    const auto own = wire::encode(wire::Hello{.version = version, .rank = 1, .world_size = 2, .connection = connection});
     put(own.data(), own.size());
     std::array<std::byte, wire::hello_bytes> theirs{};
     if (!get(theirs.data(), theirs.size())) return std::nullopt;
@@ -88,16 +112,22 @@ struct RawPeer {
     put(p.data(), p.size());
     std::array<std::byte, wire::proof_bytes> their_proof{};
     if (!get(their_proof.data(), their_proof.size())) return std::nullopt;
-    const std::string address = "127.0.0.1 9";
-    const auto header = wire::encode(wire::FrameHeader{wire::FrameType::address, 0, address.size()});
-    put(header.data(), header.size());
-    put(address.data(), address.size());
-    std::array<std::byte, wire::header_bytes> table_header{};
-    if (!get(table_header.data(), table_header.size())) return std::nullopt;
-    const auto table = wire::decode_header(table_header, why);
-    std::string text(table->length, '\0');
-    get(text.data(), text.size());
     return hello;
+  }
+  void send_text(transport::tcp_wire::FrameType type, const std::string& text) const {
+    const auto header = transport::tcp_wire::encode(transport::tcp_wire::FrameHeader{type, 0, text.size()});
+    put(header.data(), header.size());
+    put(text.data(), text.size());
+  }
+  std::optional<std::string> receive_text() const {
+    std::array<std::byte, transport::tcp_wire::header_bytes> bytes{};
+    if (!get(bytes.data(), bytes.size())) return std::nullopt;
+    std::string why;
+    const auto header = transport::tcp_wire::decode_header(bytes, why);
+    if (!header) return std::nullopt;
+    std::string text(header->length, '\0');
+    if (!get(text.data(), text.size())) return std::nullopt;
+    return text;
   }
   void frame(std::uint64_t tag, std::uint64_t length) const {
     const auto header = transport::tcp_wire::encode(transport::tcp_wire::FrameHeader{transport::tcp_wire::FrameType::data, tag, length});

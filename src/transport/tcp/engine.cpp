@@ -20,7 +20,6 @@
 #include <fmt/format.h>
 
 #include "transport/tcp/errors.hpp"
-#include "transport/tcp/setup.hpp"
 
 namespace gradsync::transport::detail {
 
@@ -52,19 +51,11 @@ constexpr auto close_linger = std::chrono::seconds(2);
 
 }  // namespace
 
-TcpEngine::TcpEngine(const TcpOptions& options) : options_(options), peers_(static_cast<std::size_t>(options.world_size)) {
-  auto sockets = connect_job(io_, options_);
-  const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
-  const auto now = Clock::now();
-  for (std::size_t peer = 0; peer < peers_.size(); ++peer) {
-    Peer& p = peers_[peer];
-    for (auto& s : sockets[peer]) {
-      const bool express = p.connections.size() == data_sockets;  // the one after the data sockets
-      p.connections.push_back(std::make_unique<Connection>(std::move(s), static_cast<int>(peer), express));
-      read_header(*p.connections.back());
-    }
-    p.heard = p.said = now;
-  }
+TcpEngine::TcpEngine(const TcpOptions& options)
+    : options_(options), connector_(std::make_unique<Connector>(io_, options_)), peers_(static_cast<std::size_t>(options.world_size)) {
+  for (PeerSockets& set : connector_->rendezvous()) attach(std::move(set));
+  connector_->serve([this](PeerSockets set) { attach(std::move(set)); },
+                    [this](int peer, const Error& e) { fail_peer(peer, e); });
   work_.emplace(asio::make_work_guard(io_));
   io_.restart();
   if (options_.liveness.count() > 0) {
@@ -127,18 +118,15 @@ void TcpEngine::post(Request& r, bool is_send, int peer, std::uint64_t tag, cons
   r.start(is_send, peer, tag, source, destination, size);
   r.state_ = Request::State::pending;
   if (peer == options_.rank) return post_to_self(r);
-  if (is_send) {
-    const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
-    const bool express = options_.express_lane_bytes > 0 && size <= options_.express_lane_bytes;
-    Connection& c = express ? *p.connections.back() : *p.connections[p.next_connection++ % data_sockets];
-    if (!c.writing && size <= send_now_bytes && send_now(c, r)) return;
-    c.queue.push(&r);
-    if (!c.writing) {
-      c.writing = true;
-      asio::post(io_, [this, &c] { write_next(c); });
+  if (p.connections.empty()) {
+    (is_send ? p.unsent : p.receives).push(&r);
+    if (peer > options_.rank && !p.dialing) {
+      p.dialing = true;
+      asio::post(io_, [this, peer] { connector_->dial(peer); });
     }
     return;
   }
+  if (is_send) return queue_send(p, r);
   for (auto& c : p.connections)
     if (c->parked && c->parked->tag == tag) return start_payload(*c, r);
   p.receives.push(&r);
@@ -162,9 +150,8 @@ std::size_t TcpEngine::wait(Request& r, Clock::time_point deadline) {
                                   r.is_send_ ? "send" : "receive", r.size_, r.tag_, r.peer_));
   // A message to ourselves, or a receive nobody has started filling, is simply withdrawn;
   // anything already on the wire cannot be, so the connection to that peer is given up.
-  const bool withdrawn = r.peer_ == options_.rank
-                             ? to_self_.withdraw(r)
-                             : !r.is_send_ && peers_[static_cast<std::size_t>(r.peer_)].receives.remove(&r);
+  Peer& p = peers_[static_cast<std::size_t>(r.peer_)];
+  const bool withdrawn = r.peer_ == options_.rank ? to_self_.withdraw(r) : (r.is_send_ ? p.unsent : p.receives).remove(&r);
   if (withdrawn) {
     r.state_ = Request::State::idle;
     throw timeout;
@@ -244,6 +231,36 @@ void TcpEngine::post_to_self(Request& r) {
 }
 
 // ---- the data path, on the io thread ----------------------------------------------------------------
+
+// Requires the lock and a connected peer.
+void TcpEngine::queue_send(Peer& p, Request& r) {
+  const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
+  const bool express = options_.express_lane_bytes > 0 && r.size_ <= options_.express_lane_bytes;
+  Connection& c = express ? *p.connections.back() : *p.connections[p.next_connection++ % data_sockets];
+  if (!c.writing && r.size_ <= send_now_bytes && send_now(c, r)) return;
+  c.queue.push(&r);
+  if (!c.writing) {
+    c.writing = true;
+    asio::post(io_, [this, &c] { write_next(c); });
+  }
+}
+
+// On the io thread (or the constructing thread, before it exists). A pair connected after this
+// rank gave up on the peer, or on everything, is closed at once.
+void TcpEngine::attach(PeerSockets set) {
+  std::lock_guard lock(mutex_);
+  Peer& p = peers_[static_cast<std::size_t>(set.peer)];
+  p.dialing = false;
+  if (p.failure || aborted_ || closed_) return;  // the sockets close as `set` goes
+  const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
+  for (auto& s : set.sockets) {
+    const bool express = p.connections.size() == data_sockets;  // the one after the data sockets
+    p.connections.push_back(std::make_unique<Connection>(std::move(s), set.peer, express));
+  }
+  p.heard = p.said = Clock::now();
+  for (auto& c : p.connections) read_header(*c);
+  while (Request* r = p.unsent.pop()) queue_send(p, *r);
+}
 
 // Under the lock, on the caller's thread, with the socket idle (nothing queued or being written):
 // the frame goes out in one non-blocking sendmsg, so a small message leaves without waking the io
@@ -523,6 +540,7 @@ void TcpEngine::fail_peer_and_wait(int peer, const Error& e) {
 void TcpEngine::fail_pending(Peer& p, const Error& e) {
   if (!p.failure) p.failure = e;
   p.receives.drain([&](Request* r) { fail(*r, e); });
+  p.unsent.drain([&](Request* r) { fail(*r, e); });
   for (auto& c : p.connections) {
     c->queue.drain([&](Request* r) { fail(*r, e); });
     if (c->sending) fail(*c->sending, e);
@@ -538,6 +556,7 @@ void TcpEngine::fail_pending(Peer& p, const Error& e) {
 // its buffer is still there); cutting it off would leave that peer only a broken connection and no
 // reason. All of it within abort_linger: then every socket closes, notice or not.
 void TcpEngine::begin_abort() {
+  connector_->close();
   std::vector<Connection*> between_frames;
   {
     std::lock_guard lock(mutex_);
@@ -607,6 +626,7 @@ void TcpEngine::close_sockets(Peer& p) {
 // not sent yet, an abort notice or the last message to a peer still reading.
 void TcpEngine::close_all() {
   closed_ = true;
+  connector_->close();
   if (liveness_timer_) liveness_timer_->cancel();
   std::array<std::byte, 64 << 10> unread;
   for (auto& p : peers_)

@@ -2,7 +2,8 @@
 // TcpEngine — transport::Tcp's data path, behind the public class (tcp.hpp) so that no Asio shows
 // there. Callers post sends and receives under one lock; one io thread moves the frames. Sends to
 // a peer take its data sockets in turn, small ones the express lane; receives match frames by tag
-// across all of a peer's sockets. The sockets come from setup.hpp, the frame format from wire.hpp.
+// across all of a peer's sockets. The sockets come from connector.hpp when a pair is first used,
+// the frame format from wire.hpp.
 
 #include <array>
 #include <chrono>
@@ -26,6 +27,7 @@
 #include "detail/intrusive_queue.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "transport/matcher.hpp"
+#include "transport/tcp/connector.hpp"
 #include "transport/tcp/wire.hpp"
 
 namespace gradsync::transport::detail {
@@ -55,8 +57,10 @@ struct Connection {
 };
 
 struct Peer {
-  std::vector<std::unique_ptr<Connection>> connections;  // none for this rank itself
+  std::vector<std::unique_ptr<Connection>> connections;  // none until the pair is first used; none for this rank
   gradsync::detail::IntrusiveQueue<Request> receives;   // posted, not yet matched to a frame
+  gradsync::detail::IntrusiveQueue<Request> unsent;     // sends posted before the pair was connected
+  bool dialing = false;                                 // this rank (the lower of the pair) asked for it
   std::size_t next_connection = 0;
   std::optional<Error> failure;  // set once: every later operation with this peer throws it
   // Liveness (TcpOptions::liveness): when a byte last came from the peer, and when a frame to it
@@ -71,7 +75,7 @@ class TcpEngine {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // Sets up every connection (setup.hpp), then starts the io thread.
+  // Runs the rendezvous (connector.hpp), then starts the io thread.
   explicit TcpEngine(const TcpOptions& options);
   ~TcpEngine();
 
@@ -95,8 +99,12 @@ class TcpEngine {
   void fail(Request& r, const Error& e);
   void post_to_self(Request& r);
 
+  // A send to a connected peer, under the lock: written now if small and the socket idle, else queued.
+  void queue_send(Peer& p, Request& r);
   // A small send to an idle socket, from the caller's thread, under the lock.
   bool send_now(Connection& c, Request& r);
+  // A pair's sockets, once connected: reading starts, and the sends that waited for them go.
+  void attach(PeerSockets set);
 
   // The data path, on the io thread.
   void write_next(Connection& c);
@@ -127,6 +135,7 @@ class TcpEngine {
 
   TcpOptions options_;
   boost::asio::io_context io_;
+  std::unique_ptr<Connector> connector_;  // after io_, which its coroutines and sockets use
   std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;
   std::mutex mutex_;
   std::condition_variable cv_;

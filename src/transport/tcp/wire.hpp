@@ -1,5 +1,5 @@
 #pragma once
-// The TCP transport's wire format, version 3. All integers are little-endian.
+// The TCP transport's wire format, version 4. All integers are little-endian.
 //
 // Connection setup, both directions, initiator first:
 //   hello  (36 bytes)  magic "GSYN" | u16 version | u16 sockets per peer | u32 rank | u32 world size
@@ -7,8 +7,13 @@
 //   proof  (32 bytes)  HMAC-SHA-256(token, "gradsync proof v1" | own hello | peer's hello)
 // A side whose peer's hello has another magic, version, world size or number of sockets per peer,
 // or whose proof does not verify, closes the connection; the peer sees the same facts and reports
-// them itself. (Version 2 added the socket count, where version 1 had a reserved field; version 3
-// the heartbeat frame.)
+// them itself. The connection index numbers a pair's sockets from 0 (the data sockets, then the
+// express lane's); the index one past them, `sockets per peer`, is a report: a rank tells rank 0
+// where it listens, in an address frame, and rank 0 answers with an empty table frame once it has
+// it; then both hang up. The table itself travels as the first frame on data connection 0 from a
+// rank's parent in the rendezvous tree (transport/tcp/connector.cpp). (Version 2 added the socket
+// count, where version 1 had a reserved field; version 3 the heartbeat frame; version 4 the report
+// connection and the table's tree, where version 3 sent every table from rank 0.)
 //
 // After setup, frames:
 //   header (24 bytes)  magic "GSYN" | u8 type | 3 bytes reserved (0) | u64 tag | u64 payload length
@@ -30,7 +35,7 @@
 namespace gradsync::transport::tcp_wire {
 
 inline constexpr std::array<std::byte, 4> magic{std::byte{'G'}, std::byte{'S'}, std::byte{'Y'}, std::byte{'N'}};
-inline constexpr std::uint16_t version = 3;
+inline constexpr std::uint16_t version = 4;
 inline constexpr std::size_t hello_bytes = 36;
 inline constexpr std::size_t proof_bytes = 32;
 inline constexpr std::size_t header_bytes = 24;
