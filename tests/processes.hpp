@@ -56,6 +56,7 @@ inline std::vector<ChildResult> run_processes(int n, const std::function<std::st
     const pid_t pid = ::fork();
     if (pid == 0) {
       ::close(fds[0]);
+      for (int sibling : pipes) ::close(sibling);  // the earlier ranks' read ends: not this rank's files
       std::string report;
       try {
         report = body(rank);

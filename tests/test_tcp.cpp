@@ -5,8 +5,10 @@
 
 #include <arpa/inet.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <atomic>
+#include <filesystem>
 #include <cstring>
 #include <new>
 #include <mutex>
@@ -239,6 +241,44 @@ TEST_SUITE("tcp") {
       });
       for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
     }
+  }
+
+  TEST_CASE("64 ranks that may each open only 64 files set up and average: no full mesh") {
+    // A full mesh needs 63 sockets per rank besides the listener and the process's own files.
+    // Here a rank connects only to the peers its schedules use: the rendezvous tree, and what
+    // Auto picks per bucket (recursive doubling, halving-doubling, the ring). Whole-number inputs
+    // keep every partial sum exact, so every algorithm's average is the same float.
+    constexpr int n = 64;
+    const std::vector<std::size_t> sizes{1, 1000, 300000};
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      const rlimit files{.rlim_cur = 64, .rlim_max = 64};
+      if (::setrlimit(RLIMIT_NOFILE, &files) != 0) return "setrlimit failed";
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Auto<>, Tcp> sync(Tcp(options(rank, n, port)),
+                                                                                      {.timeout = 60s, .log = {}});
+      std::vector<std::vector<float>> grads;
+      for (std::size_t s : sizes) grads.emplace_back(s);
+      for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
+      const auto input = [](int r, std::size_t g, std::size_t e) {
+        return static_cast<float>((static_cast<std::size_t>(r) * 7 + g * 3 + e) % 101);
+      };
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        for (std::size_t g = 0; g < sizes.size(); ++g)
+          for (std::size_t e = 0; e < sizes[g]; ++e) grads[g][e] = input(rank, g, e);
+        for (std::size_t g = sizes.size(); g-- > 0;) sync.ready(static_cast<GradId>(g));
+        sync.wait();
+        for (std::size_t g = 0; g < sizes.size(); ++g)
+          for (std::size_t e = 0; e < sizes[g]; ++e) {
+            float sum = 0;
+            for (int r = 0; r < n; ++r) sum += input(r, g, e);
+            if (grads[g][e] != sum / n)
+              return fmt::format("gradient {} element {} is {}, expected {}", g, e, grads[g][e], sum / n);
+          }
+      }
+      const auto files_open = std::distance(std::filesystem::directory_iterator("/proc/self/fd"), {});
+      return files_open < 64 ? "ok" : fmt::format("{} files open", files_open);
+    }, 120s);
+    for (int r = 0; r < n; ++r) CHECK_MESSAGE(results[static_cast<std::size_t>(r)].ok(), r, ": ", results[static_cast<std::size_t>(r)].report);
   }
 
   TEST_CASE("a rank killed in a 32-rank job: every survivor fails fast and names it") {

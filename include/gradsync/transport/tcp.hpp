@@ -2,9 +2,12 @@
 // transport::Tcp — ranks are processes, connected pairwise over TCP (Boost.Asio, in the compiled
 // library; nothing of Asio shows here).
 //
-// Setup: rank 0 listens on MASTER_PORT; every other rank connects to it, proves it holds the job
-// token, and tells rank 0 where it listens itself; rank 0 answers with every rank's address, and
-// each rank then connects to the ranks below it. Each pair gets `connections_per_peer` sockets;
+// Setup: rank 0 listens on MASTER_PORT; every other rank connects to it once, proves it holds the
+// job token, tells rank 0 where it listens itself and hangs up; once all have, the table of every
+// rank's address travels down a binomial tree rooted at rank 0. A pair of ranks connects only when
+// the data path first needs it (the lower rank dials), so a rank holds sockets only to the peers
+// its schedules use and its neighbours in that tree, not to every rank (docs/design.md, "TCP", says
+// what a peer costs). Each pair gets `connections_per_peer` sockets;
 // messages to a peer take them in turn, so consecutive pieces travel side by side. With an express
 // lane (`express_lane_bytes` > 0) each pair gets one socket more, which carries every message of at
 // most that many bytes and nothing else: a small message (a coordinator's grant, a plan) never
@@ -52,7 +55,7 @@ struct TcpOptions {
   std::string listen_addr{};  // address to listen on; empty: every interface
   int connections_per_peer = 1;
   std::size_t express_lane_bytes = 0;  // messages up to this size take a socket of their own; 0: none
-  std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);  // for the whole connection phase
+  std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);  // for the rendezvous, and for each later connection
   std::uint64_t max_message_bytes = std::uint64_t{1} << 32;           // larger frames are refused unread
   // TCP congestion control for this job's sockets ("cubic", "bbr", ...); empty: the system's.
   std::string congestion_control{};
@@ -95,8 +98,9 @@ class Tcp {
     State state_ = State::idle;  // guarded by the engine's lock
   };
 
-  // Connects this rank to all others; returns once every connection is authenticated. Throws
-  // Error(timeout) naming the ranks still missing after `setup_timeout`.
+  // Runs the rendezvous; returns once this rank knows where every rank listens (so every rank
+  // has started). Throws Error(timeout) naming what is missing after `setup_timeout`; a pair's
+  // connection made later has as long.
   explicit Tcp(const TcpOptions& options);
 
   // Options from the launcher's environment (launch/environment.hpp), plus GRADSYNC_LISTEN_ADDR,

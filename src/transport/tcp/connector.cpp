@@ -335,8 +335,8 @@ class Connector::Impl {
       bool acknowledged = false;
       {
         const Timed t(*this, s, deadline);
-        co_await write_text_frame(t, tcp_wire::FrameType::address, fmt::format("{} {}", advertised, port));
         try {
+          co_await write_text_frame(t, tcp_wire::FrameType::address, fmt::format("{} {}", advertised, port));
           co_await read_text_frame(t, tcp_wire::FrameType::table, 0);
           acknowledged = true;
         } catch (const Error& e) {
@@ -429,7 +429,7 @@ class Connector::Impl {
 
   // Connects to rank `peer` at host:port as connection number `connection` and runs the
   // handshake. Tries again, until the deadline, while the peer closes the connection without a
-  // word (it dropped it among too many others) and, with `retry_refused`, while nothing listens
+  // word or breaks it off (it dropped it among too many others) and, with `retry_refused`, while nothing listens
   // there yet (rank 0, whom every rank reaches first). Once the rendezvous is over every rank
   // listens, so a refused connection means the peer's process is gone.
   Task<tcp::socket> dial_socket(std::string host, std::uint16_t port, int peer, std::uint32_t connection,
@@ -444,7 +444,16 @@ class Connector::Impl {
         co_await asio::async_connect(s, endpoints, asio::redirect_error(asio::use_awaitable, ec));
         if (t.expired()) ec = asio::error::timed_out;
         if (!ec) {
-          const Handshake h = co_await handshake(t, connection);
+          Handshake h;
+          try {
+            h = co_await handshake(t, connection);
+          } catch (const Error& e) {
+            // Closed or reset halfway: the peer dropped it among too many others, or it is an
+            // earlier job's rank closing on the same port. A deadline is not retried.
+            if (e.kind() != ErrorKind::peer_failed) throw;
+            h.unanswered = true;
+          }
+          if (h.peer && t.expired()) throw Error(ErrorKind::timeout, where(peer), "the handshake did not finish in time");
           if (h.peer && h.peer->rank != static_cast<std::uint32_t>(peer))
             throw Error(ErrorKind::mismatch, where(peer),
                         fmt::format("{}:{} answered as rank {}, expected rank {}", host, port, h.peer->rank, peer));
@@ -597,6 +606,11 @@ class Connector::Impl {
       } catch (const Error& e) {
         h.refusal = e.detail();
         h.unanswered = t.expired();
+      }
+      if (h.peer && t.expired()) {  // dropped (or timed out) just as it ended: the socket is closed
+        h.peer.reset();
+        h.refusal = "its handshake was dropped for newer ones as it ended";
+        h.unanswered = true;
       }
     }
     if (closing_) co_return;
