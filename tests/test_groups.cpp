@@ -4,8 +4,10 @@
 
 #include <doctest/doctest.h>
 
+#include <bit>
 #include <random>
 
+#include "gradsync/engine/binomial_tree.hpp"
 #include "gradsync/gradsync.hpp"
 #include "processes.hpp"
 #include "routed_world.hpp"
@@ -246,6 +248,36 @@ TEST_SUITE("groups") {
         CHECK(e.kind() == ErrorKind::invalid_argument);
         CHECK(contains(e.what(), "stream 16 is out of range"));
       }
+    }
+  }
+
+  TEST_CASE("binomial tree: every position but the root is its parent's child, and subtrees are runs in order") {
+    namespace tree = engine::binomial_tree;
+    for (int n = 1; n <= 70; ++n) {
+      CAPTURE(n);
+      int edges = 0, depth = 0;
+      for (int r = 0; r < n; ++r) {
+        // r, then its children's subtrees smallest first, is the run r .. subtree_end(r) - 1.
+        int next = r + 1;
+        for (int i = 0; i < tree::children(r, n); ++i) {
+          const int c = tree::child(r, i);
+          CHECK(c == next);
+          CHECK(tree::parent(c) == r);
+          next = tree::subtree_end(c, n);
+          ++edges;
+        }
+        CHECK(next == tree::subtree_end(r, n));
+        int hops = 0;
+        for (int p = r; p != 0; p = tree::parent(p)) ++hops;
+        depth = std::max(depth, hops);
+      }
+      CHECK(edges == n - 1);
+      CHECK(tree::subtree_end(0, n) == n);
+      // ceil(log2 n) hops at most, and as many children at the root.
+      const int log2_up = std::bit_width(static_cast<unsigned>(n - 1));
+      CHECK(depth <= log2_up);
+      if (std::has_single_bit(static_cast<unsigned>(n))) CHECK(depth == log2_up);
+      CHECK(tree::children(0, n) == log2_up);
     }
   }
 }
