@@ -427,19 +427,23 @@ std::string encode_plan(const BucketPlan& plan);
 BucketPlan decode_plan(std::string_view bytes, const ErrorContext& where);
 
 // Stops with the same Error(mismatch) on every rank if any rank's layout or policies differ from
-// group rank 0's; the message says what differs, for every rank that differs.
+// group rank 0's; the message says what differs, for every rank that differs. Rank 0's description
+// goes down the tree and each rank's difference from it comes back up, empty where there is none:
+// gathering the descriptions themselves would bring rank 0's subtrees half the group's layouts in
+// one message, over the channel's limit for a large model on a few hundred ranks.
 template <TransportPolicy X>
 void agree_on_layout(ControlChannel<X>& control, const Layout& layout, std::string_view policies) {
+  const Group& group = control.group();
   const std::string mine = describe_layout(layout, policies);
+  const std::string difference =
+      layout_differences(control.broadcast(0, ControlMessage::layout, mine), mine, group.members[group.rank]);
   std::string verdict;
-  control.gather(0, ControlMessage::layout, mine, [&](int peer, std::string_view theirs) {
-    const std::string difference = layout_differences(mine, theirs, control.group().members[peer]);
-    if (!difference.empty()) verdict += (verdict.empty() ? "" : "; ") + difference;
+  control.gather(0, ControlMessage::layout, difference, [&](int, std::string_view theirs) {
+    if (!theirs.empty()) verdict += fmt::format("{}{}", verdict.empty() ? "" : "; ", theirs);
   });
   const std::string_view agreed = control.broadcast(0, ControlMessage::verdict, verdict);
   if (!agreed.empty())
-    throw Error(ErrorKind::mismatch,
-                {.rank = control.group().members[control.group().rank], .operation = "layout check"},
+    throw Error(ErrorKind::mismatch, {.rank = group.members[group.rank], .operation = "layout check"},
                 std::string(agreed));
 }
 

@@ -28,8 +28,8 @@ constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, 
 // Control message ids (in bucket `control_bucket`). A length-prefixed message (ControlChannel)
 // takes two ids: its length travels as `id`, its payload as `id + 1`.
 enum class ControlMessage : std::uint32_t {
-  layout = 0,                  // every rank's layout and policies, to rank 0 (first synchronization)
-  verdict = 2,                 // rank 0's verdict on them: empty, or what differs
+  layout = 0,                  // rank 0's layout and policies to every rank, what differs back (first synchronization)
+  verdict = 2,                 // rank 0's verdict: empty, or what differs
   plan = 4,                    // the agreed bucket plan, from rank 0, when the bucketing policy asks
   calibration = 6,             // selective compression's fitted costs, to rank 0 and back
   calibration_probe = 8,       // its timed transfers: probe k takes id 8 + k (raw bytes, no length)
