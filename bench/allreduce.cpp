@@ -46,6 +46,7 @@
 
 #include <fmt/format.h>
 
+#include "gradsync/engine/binomial_tree.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "toolkit/codec_by_name.hpp"
@@ -224,71 +225,82 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
   return expected;
 }
 
-// Small collectives the benchmark needs besides the one it measures, on their own tags.
+// Small collectives the benchmark needs besides the one it measures, on their own tags: binomial
+// trees rooted at rank 0 (engine/binomial_tree.hpp), so that no rank talks to every other and rank
+// 0 waits for log2(n) messages, not n - 1.
 template <class X>
 class Coordination {
  public:
   explicit Coordination(X& t) : t_(t) {}
 
+  // Rank 0 hears up the tree that every rank has arrived, and the word goes back down.
   void barrier() {
     std::byte token{};
-    exchange_with_root(std::span(&token, 1));
+    reduce(std::span(&token, 1), token_up, [](std::span<std::byte>, std::span<const std::byte>) {});
+    broadcast(std::span(&token, 1), token_down);
     ++round_;
   }
 
-  // Rank 0 learns how many ranks' digests differ from its own (0 elsewhere).
+  // Rank 0 learns how many ranks' digests differ from its own (0 elsewhere): its digest goes down
+  // the tree, and the ranks that differ are counted on the way back up.
   std::uint64_t ranks_differing_from_root(std::uint64_t digest) {
-    std::uint64_t differing = 0;
-    if (t_.rank() != 0) {
-      send_wait(0, 3, std::as_bytes(std::span(&digest, 1)));
-    } else {
-      for (int peer = 1; peer < t_.size(); ++peer) {
-        std::uint64_t theirs = 0;
-        recv_wait(peer, 3, std::as_writable_bytes(std::span(&theirs, 1)));
-        differing += theirs != digest;
-      }
-    }
+    std::uint64_t root_digest = digest;
+    broadcast(std::span(&root_digest, 1), root_digest_down);
+    std::uint64_t differing = digest != root_digest;
+    reduce(std::span(&differing, 1), differing_up, add<std::uint64_t>);
     ++round_;
-    return differing;
+    return t_.rank() == 0 ? differing : 0;
   }
 
-  // Rank 0 receives every rank's values, element-wise maximum (times) and sum (counts).
+  // Rank 0 ends with every rank's values folded into its own: element-wise maximum (times) and
+  // sum (counts).
   void reduce_to_root(std::vector<double>& slowest, std::uint64_t& wrong) {
-    const auto n = t_.size();
-    if (t_.rank() != 0) {
-      send_wait(0, 1, std::as_bytes(std::span(slowest)));
-      send_wait(0, 2, std::as_bytes(std::span(&wrong, 1)));
-      ++round_;
-      return;
-    }
-    std::vector<double> theirs(slowest.size());
-    std::uint64_t their_wrong = 0;
-    for (int peer = 1; peer < n; ++peer) {
-      recv_wait(peer, 1, std::as_writable_bytes(std::span(theirs)));
-      recv_wait(peer, 2, std::as_writable_bytes(std::span(&their_wrong, 1)));
-      for (std::size_t i = 0; i < slowest.size(); ++i) slowest[i] = std::max(slowest[i], theirs[i]);
-      wrong += their_wrong;
-    }
+    reduce(std::span(slowest), times_up, [](std::span<double> mine, std::span<const double> theirs) {
+      for (std::size_t i = 0; i < mine.size(); ++i) mine[i] = std::max(mine[i], theirs[i]);
+    });
+    reduce(std::span(&wrong, 1), wrong_up, add<std::uint64_t>);
     ++round_;
   }
 
  private:
-  void exchange_with_root(std::span<std::byte> token) {
-    if (t_.rank() == 0) {
-      for (int peer = 1; peer < t_.size(); ++peer) recv_wait(peer, 0, token);
-      for (int peer = 1; peer < t_.size(); ++peer) send_wait(peer, 0, token);
-    } else {
-      send_wait(0, 0, token);
-      recv_wait(0, 0, token);
-    }
+  // Message ids within a round.
+  enum Message : std::uint32_t { token_up, times_up, wrong_up, root_digest_down, differing_up, token_down };
+
+  template <class T>
+  static void add(std::span<T> mine, std::span<const T> theirs) {
+    for (std::size_t i = 0; i < mine.size(); ++i) mine[i] += theirs[i];
   }
-  std::uint64_t tag(std::uint32_t message) { return engine::make_tag(round_, 0xfffe, message); }
-  void send_wait(int peer, std::uint32_t message, std::span<const std::byte> bytes) {
+
+  // Rank 0's `values` end as fold(values, theirs) over every rank's: each rank folds in its
+  // children's, smallest subtree first, and sends the result to its parent.
+  template <class T, class Fold>
+  void reduce(std::span<T> values, Message message, Fold fold) {
+    const int rank = t_.rank();
+    std::vector<T> theirs(values.size());
+    for (int i = 0; i < engine::binomial_tree::children(rank, t_.size()); ++i) {
+      recv_wait(engine::binomial_tree::child(rank, i), message, std::as_writable_bytes(std::span(theirs)));
+      fold(values, std::span<const T>(theirs));
+    }
+    if (rank != 0) send_wait(engine::binomial_tree::parent(rank), message, std::as_bytes(values));
+  }
+
+  // Rank 0's `values` on every rank: each rank takes them from its parent and passes them to its
+  // children, the largest subtree first.
+  template <class T>
+  void broadcast(std::span<T> values, Message message) {
+    const int rank = t_.rank();
+    if (rank != 0) recv_wait(engine::binomial_tree::parent(rank), message, std::as_writable_bytes(values));
+    for (int i = engine::binomial_tree::children(rank, t_.size()); i-- > 0;)
+      send_wait(engine::binomial_tree::child(rank, i), message, std::as_bytes(values));
+  }
+
+  std::uint64_t tag(Message message) { return engine::make_tag(round_, 0xfffe, message); }
+  void send_wait(int peer, Message message, std::span<const std::byte> bytes) {
     typename X::Request r;
     t_.send(r, peer, tag(message), bytes);
     t_.wait(r, Clock::now() + std::chrono::minutes(2));
   }
-  void recv_wait(int peer, std::uint32_t message, std::span<std::byte> bytes) {
+  void recv_wait(int peer, Message message, std::span<std::byte> bytes) {
     typename X::Request r;
     t_.recv(r, peer, tag(message), bytes);
     t_.wait(r, Clock::now() + std::chrono::minutes(2));

@@ -1,11 +1,16 @@
 // Groups: a rank set with its own numbering over an existing transport. How the launch's groups
 // are numbered, Synchronizers on the machine-local and cross-machine groups of one transport at
-// once, ranks that disagree about a group told so, and one world over shared memory and TCP.
+// once, ranks that disagree about a group told so, and one world over shared memory and TCP. And
+// the control channel's collectives over a group: binomial trees at sizes that are and are not
+// powers of two, and packed texts that do not add up.
 
 #include <doctest/doctest.h>
 
+#include <bit>
 #include <random>
 
+#include "gradsync/engine/binomial_tree.hpp"
+#include "gradsync/engine/control.hpp"
 #include "gradsync/gradsync.hpp"
 #include "processes.hpp"
 #include "routed_world.hpp"
@@ -21,6 +26,26 @@ launch::Launch placed(int rank, int world, int local_world) {
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// Group ranks numbered backwards from the transport's, so that a tree over group ranks is not one
+// over transport ranks.
+Group reversed(int rank, int n) {
+  std::vector<int> members(static_cast<std::size_t>(n));
+  for (int g = 0; g < n; ++g) members[static_cast<std::size_t>(g)] = n - 1 - g;
+  return Group::of(std::move(members), rank, "reversed");
+}
+
+// One entry of a packed control message, as ControlChannel packs them: u32 rank, u64 length, bytes.
+std::string entry(std::uint32_t rank, std::uint64_t length, std::string_view bytes) {
+  std::string out(reinterpret_cast<const char*>(&rank), sizeof rank);
+  out.append(reinterpret_cast<const char*>(&length), sizeof length);
+  return out.append(bytes);
+}
+
+// Each rank's text: of a length of its own, rank 1's empty.
+std::string text_of(int group_rank) {
+  return group_rank == 1 ? std::string() : fmt::format("rank {}:{}", group_rank, std::string(static_cast<std::size_t>(group_rank) * 300, '.'));
+}
 
 using Borrowed = transport::Borrowed<transport::InProcess>;
 using World = test::RoutedWorld;
@@ -104,7 +129,9 @@ TEST_SUITE("groups") {
     }
     CHECK(contains(errors[0]->what(), "this rank counts \"trio: ranks 0, 1, 2\", but rank 2 counts \"trio: ranks 2, 0, 1\""));
 
-    // Rank 3 counts itself in the group of ranks 0-2, which do not count it: it names who did not answer.
+    // Rank 3 counts itself in the group of ranks 0-2, which do not count it: in its tree of the four
+    // its parent is rank 2, which in the tree of the three has no child, so rank 3 waits for rank 2
+    // in vain and names it.
     const auto unanswered = test::run_ranks(4, [&](transport::InProcess& world) {
       const int rank = world.rank();
       const std::vector<int> members = rank == 3 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1, 2};
@@ -116,7 +143,7 @@ TEST_SUITE("groups") {
     });
     REQUIRE(unanswered[3]);
     CHECK(unanswered[3]->kind() == ErrorKind::mismatch);
-    CHECK(contains(unanswered[3]->what(), "ranks 0, 1, 2 did not answer"));
+    CHECK(contains(unanswered[3]->what(), "rank 2 did not answer within 500 ms"));
   }
 
   TEST_CASE("hierarchical over two machines of processes (shared memory within, TCP across): the exact average") {
@@ -247,5 +274,108 @@ TEST_SUITE("groups") {
         CHECK(contains(e.what(), "stream 16 is out of range"));
       }
     }
+  }
+
+  TEST_CASE("binomial tree: every position but the root is its parent's child, and subtrees are runs in order") {
+    namespace tree = engine::binomial_tree;
+    for (int n = 1; n <= 70; ++n) {
+      CAPTURE(n);
+      int edges = 0, depth = 0;
+      for (int r = 0; r < n; ++r) {
+        // r, then its children's subtrees smallest first, is the run r .. subtree_end(r) - 1.
+        int next = r + 1;
+        for (int i = 0; i < tree::children(r, n); ++i) {
+          const int c = tree::child(r, i);
+          CHECK(c == next);
+          CHECK(tree::parent(c) == r);
+          next = tree::subtree_end(c, n);
+          ++edges;
+        }
+        CHECK(next == tree::subtree_end(r, n));
+        int hops = 0;
+        for (int p = r; p != 0; p = tree::parent(p)) ++hops;
+        depth = std::max(depth, hops);
+      }
+      CHECK(edges == n - 1);
+      CHECK(tree::subtree_end(0, n) == n);
+      // ceil(log2 n) hops at most, and as many children at the root.
+      const int log2_up = std::bit_width(static_cast<unsigned>(n - 1));
+      CHECK(depth <= log2_up);
+      if (std::has_single_bit(static_cast<unsigned>(n))) CHECK(depth == log2_up);
+      CHECK(tree::children(0, n) == log2_up);
+    }
+  }
+
+  TEST_CASE("the control channel's gather, broadcast and exchange over 1, 2, 3, 5 and 8 ranks: every text, in group order") {
+    for (const int n : {1, 2, 3, 5, 8}) {
+      CAPTURE(n);
+      std::vector<std::vector<std::pair<int, std::string>>> gathered(static_cast<std::size_t>(n));
+      std::vector<std::string> broadcast(static_cast<std::size_t>(n));
+      std::vector<std::vector<std::pair<int, std::string>>> exchanged(static_cast<std::size_t>(n));
+      const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+        const Group group = reversed(t.rank(), n);
+        engine::ControlChannel<transport::InProcess> control(t, group, 10s);
+        const auto g = static_cast<std::size_t>(group.rank);
+        // Gather and broadcast on the same message and iteration: up and down the tree they
+        // cannot be confused.
+        control.gather(7, engine::ControlMessage::calibration, text_of(group.rank),
+                       [&](int peer, std::string_view text) { gathered[g].emplace_back(peer, text); });
+        broadcast[g] = control.broadcast(7, engine::ControlMessage::calibration, group.rank == 0 ? "rank 0's" : "");
+        control.exchange_with_all(0, engine::ControlMessage::membership, text_of(group.rank), "test exchange",
+                                  [&](int peer, std::string_view text) { exchanged[g].emplace_back(peer, text); });
+      });
+      for (const auto& e : errors)
+        if (e) FAIL(std::string(e->what()));
+      for (int g = 0; g < n; ++g) {
+        CAPTURE(g);
+        const auto at = static_cast<std::size_t>(g);
+        std::vector<std::pair<int, std::string>> others;
+        for (int peer = 0; peer < n; ++peer)
+          if (peer != g) others.emplace_back(peer, text_of(peer));
+        CHECK(gathered[at] == (g == 0 ? others : std::vector<std::pair<int, std::string>>{}));
+        CHECK(broadcast[at] == "rank 0's");
+        CHECK(exchanged[at] == others);
+      }
+    }
+  }
+
+  TEST_CASE("the control channel: packed texts that do not add up are an Error(protocol) naming the sender") {
+    // Rank 1 plays a child of rank 0 in a gather over two ranks, sending its packed subtree by
+    // hand; rank 0 expects exactly one entry, for group rank 1.
+    const auto gather_from = [](std::string packed) {
+      return test::run_ranks(2, [&](transport::InProcess& t) {
+        const Group group = Group::world(t.rank(), 2);
+        engine::ControlChannel<transport::InProcess> control(t, group, 2s);
+        if (t.rank() == 0) return control.gather(0, engine::ControlMessage::layout, "mine", [](int, std::string_view) {});
+        const std::uint64_t length = packed.size();
+        transport::InProcess::Request a, b;
+        t.send(a, 0, engine::control_tag(0, engine::ControlMessage::layout), std::as_bytes(std::span(&length, 1)));
+        t.send(b, 0, engine::control_tag(0, engine::ControlMessage::layout, 1), std::as_bytes(std::span(packed)));
+        const auto deadline = std::chrono::steady_clock::now() + 2s;
+        t.wait(a, deadline);
+        t.wait(b, deadline);
+      });
+    };
+    const std::pair<std::string, std::string> cases[] = {
+        {std::string(5, 'x'), "end inside an entry's header (5 bytes left)"},
+        {entry(1, 100, "abc"), "the entry of rank 1 announces 100 bytes, 3 are left"},
+        {entry(1, std::uint64_t{1} << 63, "abc"), "announces 9223372036854775808 bytes, 3 are left"},
+        {entry(0, 3, "abc"), "hold group rank 0 where 1 belongs"},
+        {entry(1, 3, "abc") + entry(2, 0, ""), "hold group rank 2 where they should end"},
+        {"", "stop before group rank 1"},
+    };
+    for (const auto& [packed, complaint] : cases) {
+      CAPTURE(complaint);
+      const auto errors = gather_from(packed);
+      CHECK_FALSE(errors[1]);
+      REQUIRE(errors[0]);
+      CHECK(errors[0]->kind() == ErrorKind::protocol);
+      CHECK(errors[0]->context().peer == 1);
+      CHECK(contains(errors[0]->what(), complaint));
+    }
+    // The same subtree, well formed, is accepted.
+    const auto errors = gather_from(entry(1, 3, "abc"));
+    CHECK_FALSE(errors[0]);
+    CHECK_FALSE(errors[1]);
   }
 }

@@ -28,8 +28,8 @@ constexpr std::uint64_t make_tag(std::uint64_t iteration, std::uint32_t bucket, 
 // Control message ids (in bucket `control_bucket`). A length-prefixed message (ControlChannel)
 // takes two ids: its length travels as `id`, its payload as `id + 1`.
 enum class ControlMessage : std::uint32_t {
-  layout = 0,                  // every rank's layout and policies, to rank 0 (first synchronization)
-  verdict = 2,                 // rank 0's verdict on them: empty, or what differs
+  layout = 0,                  // rank 0's layout and policies to every rank, what differs back (first synchronization)
+  verdict = 2,                 // rank 0's verdict: empty, or what differs
   plan = 4,                    // the agreed bucket plan, from rank 0, when the bucketing policy asks
   calibration = 6,             // selective compression's fitted costs, to rank 0 and back
   calibration_probe = 8,       // its timed transfers: probe k takes id 8 + k (raw bytes, no length)
@@ -39,7 +39,7 @@ enum class ControlMessage : std::uint32_t {
   sparse = 0x20000010u,        // a sparse exchange's messages: ids sparse + 0 .. sparse + 4 (sparse/exchange.hpp)
   async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 5 (async/synchronizer.hpp)
   peer_tensors = 0x20000030u,  // PeerChannel's streams: ids + 0 .. + 15 (peer_channel.hpp)
-  membership = 0x40000000u,    // whom each rank counts in its group, to every other member (raw text)
+  membership = 0x40000000u,    // whom each rank counts in its group, up a tree of the members and back
   nccl_watch = 0x7ffffff0u,    // transport::Nccl: the receive from every peer that nobody sends to
   nccl_uuid = 0x7ffffff1u,     // transport::Nccl setup: each rank's GPU, to rank 0
   nccl_verdict = 0x7ffffff2u,  // transport::Nccl setup: rank 0's answer (ranks sharing a GPU, or the id)
