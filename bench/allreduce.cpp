@@ -87,6 +87,7 @@ struct Row {
   std::uint64_t wrong = 0;
   bool checked = true;
   std::string topology;  // the schedule this size ran: --topology auto chooses per size
+  std::optional<LinkModel> link;  // what --topology auto measured before choosing, for the JSON
 };
 
 // Whether expected_average can replay the codec one value at a time.
@@ -406,7 +407,9 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
         for (std::size_t e = 0; e < count; ++e) wrong += values[e] != expected[e];
     }
     coordination.reduce_to_root(times, wrong);
-    if (transport.rank() == 0) rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count)});
+    if (transport.rank() == 0)
+      rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count),
+                      cfg.topology == "auto" && n > 1 ? std::optional(chooser.link) : std::nullopt});
   }
   return rows;
 }
@@ -537,6 +540,11 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"memcpy_us", tk::rounded(r.memcpy_us, 3)},
                     {"wrong", r.checked ? tk::Json(r.wrong) : tk::Json()}});
     if (cfg.topology == "hierarchical") json.back()["ranks_per_machine"] = cfg.ranks_per_machine;
+    // The link the run measured (# link measured), which bench/scale_model --validate predicts with.
+    if (r.link) {
+      json.back()["link_latency_us"] = tk::rounded(r.link->latency * 1e6, 3);
+      json.back()["link_GBps"] = tk::rounded(r.link->seconds_per_byte > 0 ? 1e-9 / r.link->seconds_per_byte : 0.0, 6);
+    }
   }
   tk::write_json(cfg.json, json);
 }

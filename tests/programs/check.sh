@@ -248,6 +248,35 @@ case $name in
       --json "$work/replay.json"
     valid_json "$work/replay.json" 'd["trace"].endswith("odd \"name\" \\ tab\t.trace") and len(d["samples"]) == 1'
     ;;
+  scale_model)
+    results=$traces/../results
+    refuses --bandwidth --bandwidth 25
+    refuses --bandwidth --bandwidth 25Gb/s
+    refuses --intra-bandwidth --intra-bandwidth x
+    refuses --latency-us --latency-us -1
+    refuses --ranks --ranks 1024,0
+    refuses --ranks --ranks 1020 --ranks-per-machine 8
+    refuses --ranks-per-machine --ranks-per-machine 0
+    refuses --sizes --sizes 4K,2
+    refuses --cap-mib --cap-mib 0
+    refuses --codec --codec zip
+    refuses --codec-results --codec-results "$work/missing.json" --trace "$traces/resnet50.trace"
+    refuses --trace --codec-results "$results/codecs-cpu.json" --trace "$work/missing.trace"
+    refuses --validate --validate "$work/missing.json"
+    succeeds --ranks 16,64 --sizes 4K,1M --codec-results "$results/codecs-cpu.json" --trace "$traces/resnet50.trace" \
+      --json "$work/model.json"
+    valid_json "$work/model.json" '[r["ranks"] for r in d["setup"]] == [16, 64] and len(d["allreduce"]) == 24 and len(d["replay"]) == 12 and d["replay"][0]["iteration_ms"] >= d["replay"][0]["backward_ms"]'
+    # A run's rows, the auto one with the link it measured, and a setup.
+    mkdir -p "$work/run"
+    printf '%s\n' '[{"bytes":4096,"ranks":8,"topology":"auto","schedule":"recursive-doubling","codec":"none","transport":"tcp","executor":"serial","time_us":300,"link_latency_us":100,"link_GBps":1}]' >"$work/run/auto.json"
+    printf '%s\n' '[{"bytes":4096,"ranks":8,"topology":"ring","schedule":"ring","codec":"none","transport":"tcp","executor":"serial","time_us":1400},' \
+      '{"bytes":1048576,"ranks":8,"topology":"ring","schedule":"ring","codec":"none","transport":"tcp","executor":"serial","time_us":2000}]' >"$work/run/ring.json"
+    mkdir -p "$work/setup"
+    printf '%s\n' '{"ranks":8,"rounds":1,"median_rank0_ms":2,"median_slowest_ms":2.5}' >"$work/setup/gradsync-setup-8.json"
+    succeeds --validate "$work/run/auto.json" "$work/run/ring.json" "$work/setup/gradsync-setup-8.json" --latency-us 50 \
+      --json "$work/validation.json"
+    valid_json "$work/validation.json" 'len(d["validation"]) == 4 and d["validation"][1]["link_from"] == "the session'"'"'s auto.json" and abs(d["validation"][0]["predicted_ms"] - 0.312) < 0.001 and "fitted_link" in d["validation"][0] and d["validation"][3]["link_from"] == "the command line"'
+    ;;
   *)
     fail "no cases for $name"
     ;;

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# bench/scale_model's figures in bench/README.md ("Scale model"): the projections to 1,024-16,384
+# ranks for a 10 us link at 25 Gbit/s and at 1 Gbit/s, 8 ranks a machine, and the validation
+# against the runs measured on this machine. Each output is written as text (.txt) and JSON.
+#
+# The measurements: loopback-16/ and loopback-64/ are ../run.sh OUT N 10 auto:serial ring:serial
+# recursive-doubling:serial halving-doubling:serial on 2026-11-27 (the auto run's JSON carries the
+# link it measured, which the other runs of the session take); ../loopback-2/ and ../hosts-16x8/
+# predate that field, so their links are the ones bench/README.md quotes from those runs' output
+# (loopback-2 at 64 ranks: 11 ms + 23 MB/s; hosts-16x8: 19.8 ms + 12 MB/s; loopback-2 at 256 ranks:
+# not recorded, fitted links only).
+# Usage: bench/results/scale/model/session.sh   (from the repository root, after a build in build/)
+set -eu
+out=bench/results/scale/model
+model=build/bench/scale_model
+run() {  # run NAME ARGS...: the model's output as NAME.txt and NAME.json
+  local name=$1
+  shift
+  "$model" "$@" --json "$out/$name.json" | tee "$out/$name.txt"
+}
+run projection-25gbit --latency-us 10 --bandwidth 25Gbit/s --ranks-per-machine 8
+run projection-1gbit --latency-us 10 --bandwidth 1Gbit/s --ranks-per-machine 8
+run validation-loopback --validate "$out"/loopback-16/*.json "$out"/loopback-64/*.json
+run validation-loopback-2-64 --validate bench/results/scale/loopback-2/*-64.json --latency-us 11000 --bandwidth 23MB/s
+run validation-loopback-2-256 --validate bench/results/scale/loopback-2/*-256.json
+run validation-hosts-16x8 --validate bench/results/scale/hosts-16x8/*.json --latency-us 19800 --bandwidth 12MB/s
