@@ -9,9 +9,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -21,18 +24,30 @@
 
 namespace gradsync::test {
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
+// A port to give a test job's rank 0, free now and below the kernel's range for ports it assigns
+// itself (ip_local_port_range): every rank also listens on a port of the system's choosing and
+// opens connections from such ports, and a parallel test's socket could otherwise take the port
+// between this pick and rank 0's bind.
 inline std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throw std::runtime_error("no free port");
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  int ephemeral_low = 32768;
+  if (std::FILE* range = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(range, "%d", &ephemeral_low) != 1) ephemeral_low = 32768;
+    std::fclose(range);
+  }
+  const int low = 10000, high = std::max(low + 1000, ephemeral_low);
+  std::random_device entropy;
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const auto port = static_cast<std::uint16_t>(low + static_cast<int>(entropy() % static_cast<unsigned>(high - low)));
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
+  throw std::runtime_error("no free port");
 }
 
 struct ChildResult {

@@ -609,9 +609,35 @@ void TcpEngine::finish_abort() {
   if (!abort_done_) return;
   notices_due_ = 0;
   if (abort_deadline_) abort_deadline_->cancel();
+  linger_until_peers_close(Clock::now() + abort_linger);
   close_all();
   abort_done_->set_value();
   abort_done_.reset();
+}
+
+// After the notices: waits, until `until`, for each peer to close its end, reading and dropping
+// what it still sends meanwhile. Closing first would make this rank's kernel answer those bytes
+// with a reset, and a reset makes the peer's kernel drop what it has not read yet, the notice too;
+// a rank reaches the ranks it has no connection to only through those it has, so the notice
+// must arrive. A peer closes once it has read the notice (it fails, and lets go of its sockets).
+void TcpEngine::linger_until_peers_close(Clock::time_point until) {
+  std::array<std::byte, 64 << 10> unread;
+  for (;;) {
+    bool still_open = false;
+    for (auto& p : peers_)
+      for (auto& c : p.connections) {
+        if (!c->socket.is_open()) continue;
+        error_code ec;
+        c->socket.non_blocking(true, ec);
+        while (!ec) c->socket.read_some(asio::buffer(unread), ec);
+        if (ec == asio::error::would_block || ec == asio::error::try_again)
+          still_open = true;
+        else
+          c->socket.close(ec);  // the peer has closed (or the socket broke): nothing more will come
+      }
+    if (!still_open || Clock::now() >= until) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void TcpEngine::close_sockets(Peer& p) {

@@ -129,6 +129,7 @@ class TcpEngine {
   void write_abort_notice(Connection& c);
   void abort_notice_done();
   void finish_abort();
+  void linger_until_peers_close(Clock::time_point until);
   void close_sockets(Peer& p);
   void close_all();
   bool all_sent();
