@@ -246,7 +246,7 @@ TEST_SUITE("tcp") {
   TEST_CASE("64 ranks that may each open only 64 files set up and average: no full mesh") {
     // A full mesh needs 63 sockets per rank besides the listener and the process's own files.
     // Here a rank connects only to the peers its schedules use: the rendezvous tree, and what
-    // Auto picks per bucket (recursive doubling, halving-doubling, the ring). Whole-number inputs
+    // Auto picks per bucket (recursive doubling, halving-doubling or the ring). Whole-number inputs
     // keep every partial sum exact, so every algorithm's average is the same float.
     constexpr int n = 64;
     const std::vector<std::size_t> sizes{1, 1000, 300000};
