@@ -51,6 +51,7 @@
 #include <fmt/ranges.h>
 
 #include "detail/hmac.hpp"
+#include "gradsync/engine/binomial_tree.hpp"
 #include "transport/tcp/errors.hpp"
 #include "transport/tcp/wire.hpp"
 
@@ -75,16 +76,9 @@ constexpr std::size_t refusals_kept = 3;
 // Between two tries to reach a rank that did not answer.
 constexpr auto redial_pause = std::chrono::milliseconds(50);
 
-// The rendezvous tree: rank r's parent clears r's lowest set bit; its children are r + 2^k for
-// every 2^k below that bit, largest subtree first.
-int tree_parent(int rank) { return rank & (rank - 1); }
-
-std::vector<int> tree_children(int rank, int n) {
-  std::vector<int> children;
-  for (int bit = 1; (rank & bit) == 0 && rank + bit < n; bit <<= 1) children.push_back(rank + bit);
-  std::reverse(children.begin(), children.end());
-  return children;
-}
+// The rendezvous tree is the control channel's (engine/binomial_tree.hpp) over ranks: rank r's
+// parent clears r's lowest set bit.
+int tree_parent(int rank) { return gradsync::engine::binomial_tree::parent(rank); }
 
 }  // namespace
 
@@ -367,10 +361,10 @@ class Connector::Impl {
   void forward_table(Clock::time_point deadline) {
     std::string text;
     for (const auto& line : table_) text += line + "\n";
-    const auto children = tree_children(options_.rank, options_.world_size);
-    std::size_t unfinished = children.size();
-    for (int child : children)
-      asio::co_spawn(io_, dial_peer(child, deadline, text), [this, &unfinished](std::exception_ptr e) {
+    namespace tree = gradsync::engine::binomial_tree;
+    auto unfinished = static_cast<std::size_t>(tree::children(options_.rank, options_.world_size));
+    for (int i = static_cast<int>(unfinished); i-- > 0;)  // the largest subtree first
+      asio::co_spawn(io_, dial_peer(tree::child(options_.rank, i), deadline, text), [this, &unfinished](std::exception_ptr e) {
         --unfinished;
         if (!e || fatal_) return;
         try {
