@@ -36,7 +36,6 @@
 #include <charconv>
 #include <chrono>
 #include <optional>
-#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -50,6 +49,7 @@
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "toolkit/codec_by_name.hpp"
+#include "toolkit/gradient_data.hpp"
 #include "toolkit/json.hpp"
 #include "toolkit/options.hpp"
 #include "toolkit/statistics.hpp"
@@ -311,15 +311,6 @@ class Coordination {
   std::uint64_t round_ = 0;
 };
 
-// --data gradient: this rank's values, N(0, 0.01), seeded by the rank.
-std::vector<float> gradient_values(std::size_t count, int rank) {
-  std::mt19937_64 random(0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(rank + 1));
-  std::normal_distribution<float> normal(0.0f, 0.01f);
-  std::vector<float> values(count);
-  for (float& v : values) v = normal(random);
-  return values;
-}
-
 // FNV-1a over the values' bytes: what ranks compare to know they hold the same bits.
 std::uint64_t digest(std::span<const float> values) {
   std::uint64_t h = 1469598103934665603ull;
@@ -378,7 +369,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     const std::span<float> values = storage.template as<float>(count);
     const bool gradient = cfg.data == "gradient";
     const bool checked = gradient || elementwise<Codec>;
-    const std::vector<float> mine = gradient ? gradient_values(count, transport.rank()) : std::vector<float>{};
+    const std::vector<float> mine = gradient ? tk::gradient_values(count, transport.rank()) : std::vector<float>{};
     const std::vector<float> expected =
         !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count))
                                         : std::vector<float>{};

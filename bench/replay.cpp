@@ -9,7 +9,7 @@
 //          [--executor task-graph|serial] [--compute-threads N] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
-//          [--drift-at N] [--drift-factor F] [--spin] [--device [--ipc]] [--json PATH]
+//          [--drift-at N] [--drift-factor F] [--spin] [--device [--ipc]] [--data gradient|constant] [--json PATH]
 //
 // With --time-scale 0 every gradient is ready at once and the iteration time is the time one
 // synchronization of the whole model takes (size, time, algbw and busbw are printed for it).
@@ -33,6 +33,12 @@
 // --ipc with it: ranks on the same GPU exchange device to device through CUDA IPC, not through
 // host mirrors (CudaStaged's ipc option).
 //
+// --data gradient (the default): every rank's gradients are drawn from N(0, 0.01), differently on
+// every rank (toolkit/gradient_data.hpp), and put back before each iteration, so every iteration
+// synchronizes the same values and the codecs meet what training gives them; a lossless codec's
+// first average is checked against the mean computed here. --data constant: rank r gives r + 1
+// everywhere (the replays before 2026-11-28), checked exactly.
+//
 // An iteration's time runs from the start of backward to the return of wait(); exposed is the
 // time wait() blocked; cpu is the CPU time rank 0's process (all its threads) used during the
 // iteration, user and kernel apart, which tells a CPU-bound run (ranks sharing cores) from a
@@ -43,9 +49,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -61,6 +69,7 @@
 #endif
 #include "toolkit/codec_by_name.hpp"
 #include "toolkit/connect.hpp"
+#include "toolkit/gradient_data.hpp"
 #include "toolkit/json.hpp"
 #include "toolkit/options.hpp"
 #include "toolkit/statistics.hpp"
@@ -100,6 +109,7 @@ struct Config {
   gs::Coordination coordination;
   bool device = false;
   bool ipc = false;
+  std::string data = "gradient";
 };
 
 // CPU time this process (every thread) has used so far, in the user and in the kernel.
@@ -135,6 +145,15 @@ class DeviceGradients {
     throw std::runtime_error("--device needs a build with CUDA");
 #endif
   }
+  // `host`'s values into the device copies (nothing without --device).
+  void restore(const std::vector<std::vector<float>>& host) const {
+#if GRADSYNC_HAS_CUDA
+    for (std::size_t g = 0; g < copies_.size(); ++g)
+      gs::cuda::copy_to_device(copies_[g], host[g].data(), host[g].size() * sizeof(float), device_);
+#else
+    (void)host;
+#endif
+  }
   // The device copies' values into `host` (nothing without --device).
   void copy_back(std::vector<std::vector<float>>& host) const {
 #if GRADSYNC_HAS_CUDA
@@ -149,6 +168,42 @@ class DeviceGradients {
   int device_;
   std::vector<float*> copies_;
 };
+
+// A lossless codec's first averages, `grads`, against the workers' mean: exactly (w + 1) / 2 for
+// constant data (every partial sum is a whole number); for gradient data (`values_of(r)` gives
+// rank r's values) within the rounding a float sum of them in any order may add, eps times the
+// sum of their magnitudes.
+template <class ValuesOf>
+void check_average(const std::vector<std::vector<float>>& grads, int workers, bool gradient, const ValuesOf& values_of) {
+  if (!gradient) {
+    const float expected = static_cast<float>(workers + 1) / 2;
+    for (const auto& g : grads)
+      for (float v : g)
+        if (v != expected) throw std::runtime_error(fmt::format("wrong average {} (expected {})", v, expected));
+    return;
+  }
+  std::vector<std::vector<double>> sum(grads.size()), magnitude(grads.size());
+  for (std::size_t g = 0; g < grads.size(); ++g) {
+    sum[g].assign(grads[g].size(), 0.0);
+    magnitude[g].assign(grads[g].size(), 0.0);
+  }
+  for (int r = 0; r < workers; ++r) {
+    const auto values = values_of(r);
+    for (std::size_t g = 0; g < grads.size(); ++g)
+      for (std::size_t i = 0; i < grads[g].size(); ++i) {
+        sum[g][i] += values[g][i];
+        magnitude[g][i] += std::abs(values[g][i]);
+      }
+  }
+  for (std::size_t g = 0; g < grads.size(); ++g)
+    for (std::size_t i = 0; i < grads[g].size(); ++i) {
+      const double mean = sum[g][i] / workers;
+      const double tolerance = std::numeric_limits<float>::epsilon() * (magnitude[g][i] + std::abs(mean));
+      if (std::abs(grads[g][i] - mean) > tolerance)
+        throw std::runtime_error(
+            fmt::format("wrong average {} of gradient {} at {} (expected {})", grads[g][i], g, i, mean));
+    }
+}
 
 struct Sample {
   double iteration_ms = 0, exposed_ms = 0;
@@ -171,14 +226,33 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
                                                                  topology);
   const int rank = sync.rank(), ranks = sync.size();
   const int workers = tk::workers(topology, ranks);
-  std::vector<std::vector<float>> grads;
+  // What this rank gives at every iteration (`inputs`), and the buffers averaged in place.
+  const bool gradient = cfg.data == "gradient";
+  std::vector<std::size_t> counts;
+  for (const auto& e : trace)
+    counts.push_back(std::max<std::size_t>(1, static_cast<std::size_t>(static_cast<double>(e.count) * cfg.size_scale)));
+  const auto values_of = [&](int r) {
+    std::vector<std::vector<float>> values;
+    std::vector<float> all;
+    if (gradient) all = tk::gradient_values(std::accumulate(counts.begin(), counts.end(), std::size_t{0}), r);
+    std::size_t at = 0;
+    for (std::size_t count : counts) {
+      if (gradient)
+        values.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(at),
+                            all.begin() + static_cast<std::ptrdiff_t>(at + count));
+      else
+        values.emplace_back(count, static_cast<float>(r + 1));
+      at += count;
+    }
+    return values;
+  };
+  const std::vector<std::vector<float>> inputs = values_of(rank);
+  std::vector<std::vector<float>> grads = inputs;
   DeviceGradients on_device(device);
   std::size_t bytes = 0;
-  for (const auto& e : trace) {
-    grads.emplace_back(std::max<std::size_t>(1, static_cast<std::size_t>(static_cast<double>(e.count) * cfg.size_scale)),
-                       static_cast<float>(rank + 1));
-    bytes += grads.back().size() * sizeof(float);
-    sync.add(e.name, device < 0 ? gs::view(grads.back()) : on_device.add(grads.back()));
+  for (std::size_t k = 0; k < trace.size(); ++k) {
+    bytes += grads[k].size() * sizeof(float);
+    sync.add(trace[k].name, device < 0 ? gs::view(grads[k]) : on_device.add(grads[k]));
   }
   std::mt19937_64 gen(1000003u * static_cast<unsigned>(rank) + 17u);
   std::uniform_real_distribution<double> stretch(1 - cfg.jitter, 1 + cfg.jitter);
@@ -187,6 +261,10 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   gs::BucketPlan last_plan;
   std::vector<int> plan_changes;  // iterations whose plan differed from the one before
   for (int it = 0; it < cfg.warmup + cfg.iters; ++it) {
+    if (gradient && it > 0) {  // the averages in place of this rank's values: put them back
+      grads = inputs;
+      on_device.restore(grads);
+    }
     const auto start = Clock::now();
     const CpuTime cpu_start = cpu_time();
     auto deadline = start;
@@ -206,14 +284,11 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     sync.wait();
     const auto end = Clock::now();
     const CpuTime cpu_end = cpu_time();
-    // Every rank gave rank + 1 everywhere; the workers are ranks 0 .. w-1 (dedicated servers come
-    // last and hold only the parts they serve), so the average is (w + 1) / 2.
+    // The workers are ranks 0 .. w-1 (dedicated servers come last and hold only the parts they
+    // serve): each average is the workers' mean, (w + 1) / 2 for constant data, exactly.
     if (it == 0 && Codec::lossless && rank < workers) {
-      const float expected = static_cast<float>(workers + 1) / 2;
       on_device.copy_back(grads);
-      for (const auto& g : grads)
-        for (float v : g)
-          if (v != expected) throw std::runtime_error(fmt::format("wrong average {} (expected {})", v, expected));
+      check_average(grads, workers, gradient, values_of);
     }
     if (sync.plan() != last_plan) {
       last_plan = sync.plan();
@@ -292,6 +367,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
                               {"selective", cfg.selective},
                               {"topology", topology.describe()},
                               {"executor", cfg.executor},
+                              {"data", cfg.data},
                               {"compute_threads", cfg.compute_threads},
                               {"transport", transport_name},
                               {"wire_bytes", last.bytes_sent},
@@ -340,6 +416,8 @@ void declare_options(CLI::App& app, Config& cfg) {
   app.add_flag("--spin", cfg.spin, "busy-wait through compute instead of sleeping");
   app.add_flag("--device", cfg.device, "gradients in GPU memory, the codecs as kernels (transport::CudaStaged)");
   app.add_flag("--ipc", cfg.ipc, "with --device: ranks on one GPU exchange through CUDA IPC, not host memory");
+  tk::add_choice(app, "--data", cfg.data, "gradient: N(0, 0.01) values, different on every rank; constant: rank + 1",
+                 {"gradient", "constant"});
   app.add_option("--json", cfg.json, "also write the results and every iteration as JSON to this file");
 }
 
