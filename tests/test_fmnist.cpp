@@ -12,11 +12,13 @@
 #include <random>
 
 #include "gradsync/gradsync.hpp"
+#include "fmnist_data.hpp"
 #include "idx.hpp"
 #include "support.hpp"
 #include "trainer.hpp"
 
 using namespace gradsync;
+using test::synthetic;
 
 namespace {
 
@@ -58,26 +60,6 @@ std::string load_error(const fs::path& images, const fs::path& labels) {
     return e.what();
   }
   return "no error";
-}
-
-// Learnable synthetic data: each class is a fixed random pattern, each sample its class's
-// pattern plus noise.
-fmnist::Dataset synthetic(std::size_t count, std::uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-  std::vector<std::vector<float>> prototypes(10, std::vector<float>(64));
-  std::mt19937_64 fixed(99);
-  for (auto& p : prototypes)
-    for (float& v : p) v = unit(fixed) < 0.3f ? 1.0f : 0.0f;
-  fmnist::Dataset d;
-  d.count = count;
-  d.pixels = 64;
-  for (std::size_t s = 0; s < count; ++s) {
-    const auto label = static_cast<std::uint8_t>(s % 10);
-    d.labels.push_back(label);
-    for (float v : prototypes[label]) d.images.push_back(std::clamp(v + 0.3f * (unit(gen) - 0.5f), 0.0f, 1.0f));
-  }
-  return d;
 }
 
 using Sync = Synchronizer<bucketing::FixedSize, compression::None, topology::Ring, transport::InProcess>;

@@ -5,12 +5,16 @@
 //                            [--keep F] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]
 //                            [--topology ring|parameter-server|hierarchical] [--servers S] [--dedicated]
 //                            [--staleness S] [--quorum M] [--period K] [--slow-rank R] [--slow-factor F]
+//                            [--executor task-graph|serial] [--device cpu|cuda [--ipc | --nccl]]
 //
 // One process per rank over TCP, placed by the launcher's variables; run without a launcher it
 // trains alone. Rank 0 prints progress, the test accuracy and the communication figures. With
 // --dedicated the last --servers ranks are parameter servers that only aggregate; the others train.
 // With --topology parameter-server and any of --staleness, --quorum or --period the parameter
 // server is asynchronous (gradsync::async::Synchronizer); --slow-rank makes one rank a straggler.
+// With --device cuda the model trains on the GPU (device.cpp): gradients handed to the
+// Synchronizer from the backward pass on the device, averaged over transport::CudaStaged (ranks
+// sharing a GPU through host memory, or CUDA IPC with --ipc) or transport::Nccl (--nccl).
 
 #include <algorithm>
 #include <array>
@@ -23,36 +27,14 @@
 
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
-#include "toolkit/codec_by_name.hpp"
 #include "toolkit/connect.hpp"
-#include "toolkit/json.hpp"
 #include "toolkit/options.hpp"
-#include "toolkit/progress.hpp"
 #include "toolkit/workers.hpp"
-#include "report.hpp"
-#include "trainer.hpp"
+#include "program.hpp"
 
 namespace {
 
-namespace gs = gradsync;
-namespace tk = gradsync::toolkit;
-
-struct Options {
-  fmnist::TrainConfig train;
-  std::string bucketing = "fixed-size";
-  std::string codec = "none";
-  // Two-bit's threshold for this model's gradients (the library's default, MXNet's 0.5, is for
-  // larger ones); see results/README.md for how it was chosen.
-  tk::CodecSettings codec_settings{.threshold = 0.1f};
-  std::vector<std::size_t> hidden{256, 128};
-  std::string data = "/usr/share/datasets/fashion-mnist";
-  std::string json;
-  std::string topology = "ring";
-  std::size_t servers = 0;
-  bool dedicated = false;
-  gs::async::Options asynchronous{.timeout = std::chrono::minutes(2)};
-  bool is_asynchronous = false;  // any of --staleness, --quorum, --period given
-};
+using namespace fmnist::program;
 
 // Returns the asynchronous mode's options, whose presence main() looks at after parsing.
 std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
@@ -78,67 +60,19 @@ std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
                      "asynchronous parameter server: parameters averaged every this many steps (0: never)", {.low = 0})};
   tk::add_number(app, "--slow-rank", o.train.slow_rank, "a straggler: this rank computes --slow-factor times slower");
   tk::add_number(app, "--slow-factor", o.train.slow_factor, "how much slower --slow-rank computes", {.low = 1});
+  tk::add_choice(app, "--executor", o.executor, "how the Synchronizer runs compression and transfers",
+                 {"task-graph", "serial"});
+  tk::add_choice(app, "--device", o.device, "where the model trains: the CPU, or this rank's GPU", {"cpu", "cuda"});
+  app.add_flag("--ipc", o.ipc, "--device cuda: ranks on one GPU exchange through CUDA IPC, not host memory");
+  app.add_flag("--nccl", o.nccl, "--device cuda: transport::Nccl (one GPU a rank; --executor serial)");
   app.footer("Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.");
   return asynchronous;
 }
 
-// Trains through `sync`, then prints and writes what rank 0 measured. `throughput` turns the
-// epochs' reports into every worker's samples per second added up (with an asynchronous
-// parameter server each worker has its own pace).
-template <class Sync, class Throughput>
-int train_and_report(const Options& o, Sync& sync, std::size_t workers, const std::string& codec,
-                     const std::string& topology, Throughput throughput) {
-  const bool leader = sync.rank() == 0;
-  fmnist::TrainConfig train = o.train;
-  train.workers = workers;
-  const fmnist::Dataset train_set = fmnist::load_split(o.data, true);
-  const fmnist::Dataset test_set = fmnist::load_split(o.data, false);
-  std::vector<std::size_t> sizes{train_set.pixels};
-  sizes.insert(sizes.end(), o.hidden.begin(), o.hidden.end());
-  sizes.push_back(10);
-  fmnist::Mlp model(sizes, o.train.seed);
-  const std::size_t gradient_bytes = model.parameters() * sizeof(float);
-  if (leader)
-    fmt::print("fmnist: {} workers x batch {}{} | MLP {} ({} parameters, {:.2f} MB of f32 gradients a step) | "
-               "bucketing {} | codec {} | {} | lr {} momentum {}\n",
-               train.workers, o.train.batch,
-               train.workers < static_cast<std::size_t>(sync.size())
-                   ? fmt::format(" + {} dedicated server(s)", static_cast<std::size_t>(sync.size()) - train.workers)
-                   : "",
-               fmt::join(sizes, "-"), model.parameters(), gradient_bytes / 1e6, o.bucketing, codec, topology,
-               o.train.learning_rate, o.train.momentum);
-  auto reports = fmnist::train(sync, model, train_set, leader ? &test_set : nullptr, train,
-                               leader ? tk::progress_printer() : fmnist::Progress{});
-  throughput(reports);
-  if (!leader) return 0;
-  fmnist::print_epochs(reports, sync.size());
-  if (!o.json.empty()) {
-    tk::write_json(o.json, {{"ranks", sync.size()},
-                            {"workers", train.workers},
-                            {"batch_per_rank", o.train.batch},
-                            {"layers", sizes},
-                            {"parameters", model.parameters()},
-                            {"bucketing", o.bucketing},
-                            {"codec", codec},
-                            {"topology", topology},
-                            {"staleness", o.is_asynchronous ? tk::Json(o.asynchronous.staleness) : tk::Json()},
-                            {"quorum", o.is_asynchronous ? tk::Json(o.asynchronous.quorum ? o.asynchronous.quorum
-                                                                                          : sync.size())
-                                                         : tk::Json()},
-                            {"period", o.is_asynchronous ? tk::Json(o.asynchronous.period) : tk::Json()},
-                            {"slow_rank", o.train.slow_rank},
-                            {"slow_factor", o.train.slow_factor},
-                            {"learning_rate", tk::as_written(o.train.learning_rate)},
-                            {"momentum", tk::as_written(o.train.momentum)},
-                            {"epochs", fmnist::epochs_json(reports)}});
-  }
-  return 0;
-}
-
 template <class Bucketing, class Codec, class Topology>
 int run(const Options& o, tk::JobTransport transport, const Codec& codec, const Topology& topology) {
-  gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport> sync(
-      std::move(transport), {.timeout = std::chrono::minutes(2)}, {}, codec, topology);
+  gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport> sync(std::move(transport), sync_options(o), {},
+                                                                      codec, topology);
   const auto workers = static_cast<std::size_t>(tk::workers(topology, sync.size()));
   return train_and_report(o, sync, workers, codec.describe(), topology.describe(), [](auto&) {});
 }
@@ -197,6 +131,16 @@ int main(int argc, char** argv) try {
   if (o.is_asynchronous && (o.topology != "parameter-server" || o.servers != 0))
     throw std::invalid_argument("--staleness/--quorum/--period: the asynchronous mode is a parameter server with "
                                 "co-located servers: --topology parameter-server, no --servers");
+  if (o.device == "cuda") {
+    if (o.is_asynchronous || o.topology != "ring" || o.bucketing != "fixed-size")
+      throw std::invalid_argument("--device cuda trains with --topology ring --bucketing fixed-size, synchronously");
+#if FMNIST_HAS_DEVICE
+    return train_on_device(o);
+#else
+    throw std::invalid_argument("--device cuda: this fmnist was built without CUDA and cuBLAS");
+#endif
+  }
+  if (o.ipc || o.nccl) throw std::invalid_argument("--ipc and --nccl go with --device cuda");
   if (o.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(o);
   if (o.bucketing == "time-clustered") return with_codec<gs::bucketing::TimeClustered>(o);
   return with_codec<gs::bucketing::FixedSize>(o);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 
+#include "elementwise.hpp"
 #include "matrix.hpp"
 
 namespace fmnist {
@@ -56,7 +57,7 @@ void Mlp::forward(const float* x, std::size_t batch) {
     Map y(activations_[l].data(), rows, out);
     y.noalias() = ConstMap(input, rows, in) * ConstMap(L.w.data(), in, out);
     y.rowwise() += ConstRowMap(L.b.data(), out);
-    if (l + 1 < layers_.size()) y = y.cwiseMax(0.0f);
+    if (l + 1 < layers_.size()) y = y.unaryExpr([](float v) { return elementwise::relu(v); });
     input = activations_[l].data();
   }
 }
@@ -67,17 +68,8 @@ float Mlp::forward_loss(const float* x, const std::uint8_t* labels, std::size_t 
   const float* logits = activations_.back().data();
   float* delta = deltas_.back().data();
   double loss = 0;
-  for (std::size_t s = 0; s < batch; ++s) {
-    const float* z = logits + s * last.out;
-    float* d = delta + s * last.out;
-    const float top = *std::max_element(z, z + last.out);
-    float sum = 0;
-    for (std::size_t o = 0; o < last.out; ++o) sum += d[o] = std::exp(z[o] - top);
-    for (std::size_t o = 0; o < last.out; ++o) d[o] /= sum;
-    loss -= std::log(std::max(d[labels[s]], 1e-30f));
-    d[labels[s]] -= 1.0f;
-    for (std::size_t o = 0; o < last.out; ++o) d[o] /= static_cast<float>(batch);
-  }
+  for (std::size_t s = 0; s < batch; ++s)
+    loss += elementwise::softmax_cross_entropy(logits + s * last.out, delta + s * last.out, last.out, labels[s], batch);
   return static_cast<float>(loss / static_cast<double>(batch));
 }
 
@@ -93,7 +85,7 @@ void Mlp::backward(std::size_t l, const float* x, std::size_t batch, float* belo
   if (!below) return;
   Map d(below, rows, in);
   d.noalias() = delta * ConstMap(L.w.data(), in, out).transpose();
-  if (l > 0) d.array() = (input.array() > 0.0f).select(d.array(), 0.0f);
+  if (l > 0) d = d.binaryExpr(input, [](float g, float out) { return elementwise::relu_backward(g, out); });
 }
 
 void Mlp::sgd_step(float learning_rate, float momentum) {
@@ -105,10 +97,8 @@ void Mlp::sgd_step(float learning_rate, float momentum) {
 
 void sgd(std::span<float> parameters, std::span<float> velocity, std::span<const float> gradient, float learning_rate,
          float momentum) {
-  for (std::size_t k = 0; k < parameters.size(); ++k) {
-    velocity[k] = momentum * velocity[k] + gradient[k];
-    parameters[k] -= learning_rate * velocity[k];
-  }
+  for (std::size_t k = 0; k < parameters.size(); ++k)
+    elementwise::sgd(parameters[k], velocity[k], gradient[k], learning_rate, momentum);
 }
 
 std::size_t Mlp::correct(const float* x, const std::uint8_t* labels, std::size_t n) {

@@ -2,13 +2,16 @@
 // A multi-layer perceptron with ReLU hidden layers and a softmax cross-entropy loss: forward,
 // backward layer by layer (last layer first, as autograd would produce them), and SGD with
 // momentum. The matrix products are Eigen's (one thread, so results do not depend on the
-// machine's core count); the rest is written out, small enough to read in one sitting.
+// machine's core count); the rest is written out, small enough to read in one sitting, its
+// per-element math in elementwise.hpp, which the GPU model (device_mlp.hpp) shares.
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
+
+#include "gradsync/types.hpp"
 
 namespace fmnist {
 
@@ -27,6 +30,10 @@ class Mlp {
   std::vector<Layer>& layers() noexcept { return layers_; }
   const std::vector<Layer>& layers() const noexcept { return layers_; }
   std::size_t parameters() const noexcept;
+  std::size_t depth() const noexcept { return layers_.size(); }
+  // Layer l's gradients of the mean loss: what the Synchronizer averages.
+  gradsync::TensorView weight_gradient(std::size_t l) { return gradsync::view(layers_.at(l).gw); }
+  gradsync::TensorView bias_gradient(std::size_t l) { return gradsync::view(layers_.at(l).gb); }
 
   // One forward and backward pass over `batch` samples; calls layer_ready(l) as soon as layer l's
   // gradients are complete, from the last layer to the first. Returns the mean loss. With `dx`,

@@ -97,21 +97,22 @@ class EpochMeter {
 };
 
 // Registers the model's gradients with `sync` (weights then bias, layer by layer) and trains.
-// `test` may be null (no evaluation). Every rank must call this with the same arguments.
-template <class Sync>
-std::vector<EpochReport> train(Sync& sync, Mlp& model, const Dataset& data, const Dataset* test,
+// `test` may be null (no evaluation). Every rank must call this with the same arguments. The
+// model is an Mlp, or a DeviceMlp (device_mlp.hpp) with a synchronous `sync`.
+template <class Sync, class Model>
+std::vector<EpochReport> train(Sync& sync, Model& model, const Dataset& data, const Dataset* test,
                                const TrainConfig& cfg, const Progress& progress = {}) {
   std::vector<std::pair<gradsync::GradId, gradsync::GradId>> ids;  // per layer: weights, bias
-  for (std::size_t l = 0; l < model.layers().size(); ++l) {
-    Layer& L = model.layers()[l];
+  for (std::size_t l = 0; l < model.depth(); ++l) {
+    const std::string name = "fc" + std::to_string(l + 1);
     if constexpr (Asynchronous<Sync>) {
-      ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", L.gw),
-                       sync.add("fc" + std::to_string(l + 1) + ".bias", L.gb));
+      Layer& L = model.layers()[l];
+      ids.emplace_back(sync.add(name + ".weight", L.gw), sync.add(name + ".bias", L.gb));
       sync.add_parameters(L.w);
       sync.add_parameters(L.b);
     } else {
-      ids.emplace_back(sync.add("fc" + std::to_string(l + 1) + ".weight", gradsync::view(L.gw)),
-                       sync.add("fc" + std::to_string(l + 1) + ".bias", gradsync::view(L.gb)));
+      ids.emplace_back(sync.add(name + ".weight", model.weight_gradient(l)),
+                       sync.add(name + ".bias", model.bias_gradient(l)));
     }
   }
   const std::size_t workers = cfg.workers ? cfg.workers : static_cast<std::size_t>(sync.size());

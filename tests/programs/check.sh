@@ -88,6 +88,11 @@ case $name in
     refuses --staleness --staleness 2                                        # the asynchronous mode is a parameter server's
     refuses --staleness --topology parameter-server --servers 1 --period 5    # with co-located servers
     refuses --slow-factor --slow-factor 0.5
+    refuses --executor --executor parallel
+    refuses --device --device tpu
+    refuses --device --device cuda --topology parameter-server                 # the device path is the ring's
+    refuses --ipc --ipc                                                         # --ipc and --nccl go with --device cuda
+    refuses --nccl --nccl
     message=$("$program" --data "$work/no-data" --topology parameter-server --staleness 2 --quorum 1 --period 10 \
       --slow-rank 1 --slow-factor 2 2>&1)
     if [[ $message == *"$work/no-data"* ]]; then echo "accepted: asynchronous options"; else fail "fmnist: $message"; fi
@@ -221,6 +226,7 @@ case $name in
     refuses --iters --trace "$trace" --iters 4x
     refuses --iters --trace "$trace" --iters 0
     refuses --warmup --trace "$trace" --warmup -1
+    refuses --data --trace "$trace" --data random
     refuses --cap-mib --trace "$trace" --cap-mib x
     refuses --cap-mib --trace "$trace" --cap-mib 0
     refuses --min-bucket-kib --trace "$trace" --min-bucket-kib -1
