@@ -2,7 +2,7 @@
 // where they are. Over transport::CudaStaged the ranks are fmnist's usual job (shared memory on
 // one machine, TCP between machines) and the codecs run as kernels; ranks sharing one GPU (under
 // MPS, say) exchange through host mirrors, or through CUDA IPC with --ipc. With --nccl the
-// exchange is NCCL's, one GPU a rank, on the serial executor (transport/nccl.hpp).
+// exchange is NCCL's, one GPU a rank, on the serial executor (transport/nccl.hpp), uncompressed.
 
 #include <unistd.h>
 
@@ -55,10 +55,11 @@ int train_on_device(const Options& o) {
       options.setup = {.rank = 0, .world_size = 1, .token = job};
     }
     options.device = device;
+    // Uncompressed only: every codec over NCCL too would double this file's compile (CI's budget),
+    // and tests/test_nccl runs the device codecs over NCCL already.
+    if (o.codec != "none") throw std::invalid_argument("--nccl trains with --codec none");
     gs::transport::Nccl nccl(options);
-    settings.rank = nccl.rank();
-    return tk::with_codec(o.codec, settings,
-                          [&](const auto& codec) { return train_over(o, std::move(nccl), codec, device); });
+    return train_over(o, std::move(nccl), gs::compression::None{}, device);
 #else
     throw std::invalid_argument("--nccl: this gradsync was built without NCCL");
 #endif

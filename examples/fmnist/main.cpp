@@ -64,7 +64,7 @@ std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
                  {"task-graph", "serial"});
   tk::add_choice(app, "--device", o.device, "where the model trains: the CPU, or this rank's GPU", {"cpu", "cuda"});
   app.add_flag("--ipc", o.ipc, "--device cuda: ranks on one GPU exchange through CUDA IPC, not host memory");
-  app.add_flag("--nccl", o.nccl, "--device cuda: transport::Nccl (one GPU a rank; --executor serial)");
+  app.add_flag("--nccl", o.nccl, "--device cuda: transport::Nccl (one GPU a rank; --executor serial, --codec none)");
   app.footer("Start it with gradsync-run (or torchrun, mpirun, srun) for several ranks; --batch is per rank.");
   return asynchronous;
 }
