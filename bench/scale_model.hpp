@@ -93,14 +93,15 @@ inline double recursive_doubling_seconds(const Cluster& c, int ranks, std::size_
                               shared(c.link, c.ranks_per_machine));
 }
 
-// Halving-doubling halves from the largest distance down: its first log2(machines) rounds cross
-// machines (all of a machine's ranks at once) on the whole bucket, the rest run within the machine
-// on the 1/machines of it each rank still reduces; the allgather mirrors them.
+// Halving-doubling halves with the nearest partners first (halving_doubling.hpp): its first
+// log2(ranks_per_machine) rounds run within the machine on the whole bucket, the rest cross
+// machines (all of a machine's ranks at once) on the 1/ranks_per_machine of it each rank still
+// reduces; the allgather mirrors them.
 inline double halving_doubling_seconds(const Cluster& c, int ranks, std::size_t elements) {
   const topology::HalvingDoubling hd;
-  const int machines = c.machines(ranks);
-  return hd.predicted_seconds(Group::world(0, machines), elements, value_bytes, shared(c.link, c.ranks_per_machine)) +
-         hd.predicted_seconds(Group::world(0, c.ranks_per_machine), ceil_div(elements, machines), value_bytes, c.intra);
+  return hd.predicted_seconds(Group::world(0, c.ranks_per_machine), elements, value_bytes, c.intra) +
+         hd.predicted_seconds(Group::world(0, c.machines(ranks)), ceil_div(elements, c.ranks_per_machine), value_bytes,
+                              shared(c.link, c.ranks_per_machine));
 }
 
 // topology::Hierarchical as hierarchical.hpp builds it: a ring reduce-scatter within each machine,

@@ -93,10 +93,10 @@ class Butterfly : Reference<C> {
   }
 };
 
-// halving_doubling.hpp written out: segment s of p is summed, round by round, by the participants
-// whose kept half holds it (each adding the partner's encoding of it to its own partial sum), and
-// finished by participant s, which averages it and passes it once through the codec; everyone
-// ends with those bits.
+// halving_doubling.hpp written out, over positions (v below): segment s of p is summed, round by
+// round, by the positions whose kept half holds it (each adding the partner's encoding of it to its
+// own partial sum), and finished by position s, which averages it and passes it once through the
+// codec; everyone ends with those bits.
 template <class C>
 class HalvingDoublingReference : Reference<C> {
   using Base = Reference<C>;
@@ -114,6 +114,9 @@ class HalvingDoublingReference : Reference<C> {
                        topology::Ring::segment(elements, p, first + count - 1).end};
     };
     const auto span_of = [&](std::vector<float>& v, ElemRange r) { return std::span<float>(v).subspan(r.begin, r.size()); };
+    // Positions: participant v plays the one whose log2(p) bits are v's reversed.
+    const int levels = std::countr_zero(static_cast<unsigned>(p));
+    const auto reversed = [&](int position) { return topology::HalvingDoubling::reversed(position, levels); };
     std::vector<int> first(static_cast<std::size_t>(p), 0);
     for (int k = 0, count = p; (1 << k) < p; ++k, count /= 2) {
       const int distance = p >> (k + 1);
@@ -128,7 +131,7 @@ class HalvingDoublingReference : Reference<C> {
         std::vector<float> scratch(give.size());
         if (!give.empty())
           given[static_cast<std::size_t>(v)] =
-              this->round_trip(this->rank_of(v), 1 + k, span_of(this->of(values, this->rank_of(v)), give), scratch,
+              this->round_trip(this->rank_of(reversed(v)), 1 + k, span_of(this->of(values, this->rank_of(reversed(v))), give), scratch,
                                DecodeMode::overwrite);
         first[static_cast<std::size_t>(v)] = upper ? start + count / 2 : start;
       }
@@ -136,18 +139,18 @@ class HalvingDoublingReference : Reference<C> {
         const ElemRange keep = kept[static_cast<std::size_t>(v)];
         if (!keep.empty())
           this->codec_.decode(std::span<const std::byte>(given[static_cast<std::size_t>(v ^ distance)]),
-                              span_of(this->of(values, this->rank_of(v)), keep), DecodeMode::add);
+                              span_of(this->of(values, this->rank_of(reversed(v))), keep), DecodeMode::add);
       }
     }
     std::vector<float> result(elements);
     for (int s = 0; s < p; ++s) {
       const ElemRange own = topology::Ring::segment(elements, p, s);
-      auto& mine = this->of(values, this->rank_of(s));
+      auto& mine = this->of(values, this->rank_of(reversed(s)));
       for (std::size_t e = own.begin; e < own.end; ++e) result[e] = mine[e] / static_cast<float>(n);
       if (!C::identity && !own.empty())
-        this->round_trip(this->rank_of(s), -1, span_of(result, own), span_of(result, own), DecodeMode::overwrite);
+        this->round_trip(this->rank_of(reversed(s)), -1, span_of(result, own), span_of(result, own), DecodeMode::overwrite);
     }
-    for (int v = 0; v < p; ++v) this->of(values, this->rank_of(v)) = result;
+    for (int v = 0; v < p; ++v) this->of(values, this->rank_of(reversed(v))) = result;
     this->unfold(values);
     return values;
   }

@@ -5,12 +5,20 @@
 // the ring's 2(n-1) latencies. Thakur, Rabenseifner and Gropp 2005; Open MPI and MPICH use it for
 // long messages where the count allows.
 //
-// The bucket is cut into p segments (Ring::segment). Reduce-scatter: in round k (distance
-// p/2, p/4, .., 1) a participant splits the segments it still reduces in two halves, sends the half
-// that holds its partner's final segment (through the codec) and adds what the partner sends of
-// the other half; after log2(p) rounds participant v holds the sum of segment v, which it averages.
-// Allgather: in round j (distance 1, 2, .., p/2) partners swap the blocks of finished segments they
-// hold, so the blocks double.
+// The bucket is cut into p segments (Ring::segment). Each participant plays the position u whose
+// log2(p) bits are its own reversed. Reduce-scatter: in round k (positions at distance p/2, p/4,
+// .., 1, which are participants at distance 1, 2, .., p/2) a participant splits the segments it
+// still reduces in two halves, sends the half that holds its partner's final segment (through the
+// codec) and adds what the partner sends of the other half; after log2(p) rounds position u holds
+// the sum of segment u, which it averages. Allgather: in round j (positions at distance 1, 2, ..,
+// p/2: participants at p/2, .., 1) partners swap the blocks of finished segments they hold, so the
+// blocks double.
+//
+// Why reversed: the launchers number ranks machine-major (machine m holds m*L .. m*L+L-1), so the
+// near partners share a machine. The rounds that move the large halves (the first of the
+// reduce-scatter, the last of the allgather) stay within machines, and only pieces of 1/L of the
+// bucket or less cross them: at 16 machines of 8 ranks, 1/8 of the bytes on each machine's link
+// that partners far-first would put there (8 ranks sending half the bucket each at once).
 //
 // The same bits on every rank: each segment is summed by one participant per round (the one that
 // keeps it) and finished by its owner alone, as in the ring; everyone else copies the owner's bits.
@@ -45,6 +53,13 @@ struct HalvingDoubling {
 
   std::string describe() const { return "halving-doubling"; }
 
+  // `v`'s lowest `bits` bits in reverse order: the position participant v plays, and back.
+  static int reversed(int v, int bits) {
+    int r = 0;
+    for (int b = 0; b < bits; ++b) r |= ((v >> b) & 1) << (bits - 1 - b);
+    return r;
+  }
+
   // Seconds to allreduce `elements` values of `value_bytes` each over `link` (topology::Auto):
   // 2 log2(p) latencies and 2(p-1)/p of the bucket, plus the fold's two whole-bucket steps.
   double predicted_seconds(const Group& group, std::size_t elements, std::size_t value_bytes, const LinkModel& link) const {
@@ -72,7 +87,8 @@ struct HalvingDoubling {
       fold.hand_on(b, all, encoded, fold_out);
       return out;
     }
-    const int v = fold.participant();
+    const int u = reversed(fold.participant(), levels);  // this participant's position
+    const auto at = [&](int position) { return fold.group_index(reversed(position, levels)); };
     const auto block = [&](int first, int count) {
       return ElemRange{detail::segment(elements, p, first).begin, detail::segment(elements, p, first + count - 1).end};
     };
@@ -87,9 +103,9 @@ struct HalvingDoubling {
     std::vector<Round> rounds(static_cast<std::size_t>(levels));
     for (int k = 0, first = 0, count = p; k < levels; ++k) {
       const int distance = p >> (k + 1), half = count / 2;
-      const bool upper = (v & distance) != 0;
+      const bool upper = (u & distance) != 0;
       Round& round = rounds[static_cast<std::size_t>(k)];
-      round.partner = fold.group_index(v ^ distance);
+      round.partner = at(u ^ distance);
       round.keep = block(upper ? first + half : first, half);
       round.give = block(upper ? first : first + half, half);
       first = upper ? first + half : first;
@@ -121,24 +137,24 @@ struct HalvingDoubling {
         b.add({.op = Step::Op::decode_add, .range = round.keep, .slot = round.arrival_slot, .after = round.arrival});
     }
 
-    // This participant's segment: averaged, and with a codec passed once through it.
-    const ElemRange own = detail::segment(elements, p, v);
+    // This position's segment: averaged, and with a codec passed once through it.
+    const ElemRange own = detail::segment(elements, p, u);
     std::vector<std::uint32_t> finished(static_cast<std::size_t>(p), no_slot);  // per segment, its encoding
     std::vector<std::uint32_t> landed(static_cast<std::size_t>(p), no_step);    // ... and the receive that brought it
     if (!own.empty()) {
       b.add({.op = Step::Op::average, .range = own});
       if (encoded) {
-        finished[static_cast<std::size_t>(v)] = b.slot(own.size());
-        b.add({.op = Step::Op::encode, .range = own, .slot = finished[static_cast<std::size_t>(v)]});
-        b.add({.op = Step::Op::decode_copy, .range = own, .slot = finished[static_cast<std::size_t>(v)]});
+        finished[static_cast<std::size_t>(u)] = b.slot(own.size());
+        b.add({.op = Step::Op::encode, .range = own, .slot = finished[static_cast<std::size_t>(u)]});
+        b.add({.op = Step::Op::decode_copy, .range = own, .slot = finished[static_cast<std::size_t>(u)]});
       }
     }
 
-    // Allgather: at distance d this participant holds the d segments from v & ~(d - 1).
+    // Allgather: at distance d this position holds the d segments from u & ~(d - 1).
     std::uint32_t gathered = no_step;  // identity: the previous round's receive, which the next send forwards
     for (int j = 0; j < levels; ++j) {
-      const int distance = 1 << j, partner = fold.group_index(v ^ distance);
-      const int mine = v & ~(distance - 1), theirs = (v ^ distance) & ~(distance - 1);
+      const int distance = 1 << j, partner = at(u ^ distance);
+      const int mine = u & ~(distance - 1), theirs = (u ^ distance) & ~(distance - 1);
       if (!encoded) {
         const auto message = gather_id(j);
         const ElemRange out_block = block(mine, distance), in_block = block(theirs, distance);
