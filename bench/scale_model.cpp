@@ -136,17 +136,21 @@ tk::Json project(const Config& cfg, const Cluster& cluster, const CodecCost& cod
              codec.name, 1e-9 / codec.encode_seconds_per_byte, 1e-9 / codec.decode_seconds_per_byte, cfg.codec_results);
 
   const SetupCosts costs = setup_costs(cfg);
-  fmt::print("#\n# setup: transport::Tcp's rendezvous; rank 0 takes n-1 reports at {:.0f} us of CPU each on one "
-             "thread, then the table goes down a binomial tree\n",
+  fmt::print("#\n# setup: transport::Tcp's rendezvous; each machine's ranks gather up a tree within it, rank 0 "
+             "takes one report a machine at {:.0f} us of CPU each on one thread, then the table goes down a binomial "
+             "tree\n",
              cfg.report_us);
-  fmt::print("# {:>7} {:>12} {:>14} {:>10} {:>7} {:>11} {:>11}\n", "ranks", "reports", "rank 0 CPU", "tree", "levels",
-             "total", "table");
-  fmt::print("# {:>7} {:>12} {:>14} {:>10} {:>7} {:>11} {:>11}\n", "", "(ms)", "(ms)", "(ms)", "", "(ms)", "(KB)");
+  fmt::print("# {:>7} {:>12} {:>12} {:>14} {:>10} {:>7} {:>11} {:>11}\n", "ranks", "machine", "reports", "rank 0 CPU",
+             "tree", "levels", "total", "table");
+  fmt::print("# {:>7} {:>12} {:>12} {:>14} {:>10} {:>7} {:>11} {:>11}\n", "", "(ms)", "(ms)", "(ms)", "(ms)", "",
+             "(ms)", "(KB)");
   for (const std::size_t n : cfg.ranks) {
-    const SetupTime t = setup_seconds(static_cast<int>(n), cluster.link, costs);
-    fmt::print("  {:>7} {:>12.2f} {:>14.2f} {:>10.2f} {:>7} {:>11.2f} {:>11.1f}\n", n, t.reports * 1e3,
-               t.rank0_cpu * 1e3, t.tree * 1e3, t.levels, t.total() * 1e3, static_cast<double>(t.table_bytes) / 1e3);
+    const SetupTime t = setup_seconds(static_cast<int>(n), cluster, costs);
+    fmt::print("  {:>7} {:>12.3f} {:>12.2f} {:>14.2f} {:>10.2f} {:>7} {:>11.2f} {:>11.1f}\n", n, t.machine * 1e3,
+               t.reports * 1e3, t.rank0_cpu * 1e3, t.tree * 1e3, t.levels, t.total() * 1e3,
+               static_cast<double>(t.table_bytes) / 1e3);
     out["setup"].push_back({{"ranks", n},
+                            {"machine_ms", tk::rounded(t.machine * 1e3, 4)},
                             {"reports_ms", tk::rounded(t.reports * 1e3, 3)},
                             {"rank0_cpu_ms", tk::rounded(t.rank0_cpu * 1e3, 3)},
                             {"tree_ms", tk::rounded(t.tree * 1e3, 3)},
@@ -232,7 +236,8 @@ std::vector<Measured> read_measurements(const std::string& path) {
   std::vector<Measured> rows;
   if (json.is_object() && json.contains("median_slowest_ms")) {  // bench/setup
     rows.push_back({.run = run, .file = file, .ranks = json.at("ranks").get<int>(), .executor = "-", .transport = "tcp",
-                    .schedule = "setup", .seconds = json.at("median_slowest_ms").get<double>() * 1e-3});
+                    .schedule = "setup", .ranks_per_machine = json.value("ranks_per_machine", 1),
+                    .seconds = json.at("median_slowest_ms").get<double>() * 1e-3});
     return rows;
   }
   if (!json.is_array()) throw std::invalid_argument(fmt::format("--validate: {} is neither bench/allreduce's nor bench/setup's JSON", path));
@@ -265,7 +270,7 @@ Cluster cluster_of(const Measured& m, const LinkModel& link, const LinkModel& in
 }
 
 double predict(const Measured& m, const Cluster& c, const SetupCosts& costs) {
-  if (m.schedule == "setup") return setup_seconds(m.ranks, c.link, costs).total();
+  if (m.schedule == "setup") return setup_seconds(m.ranks, c, costs).total();
   return allreduce_seconds(m.schedule, c, m.ranks, m.bytes / value_bytes, CodecCost{});
 }
 

@@ -221,13 +221,17 @@ inline std::string auto_choice(const Cluster& c, int ranks, std::size_t elements
 
 // What the rendezvous costs beyond the link. `report_cpu` is rank 0's CPU for one report on its
 // one thread (accept, about ten small socket calls, two HMAC-SHA-256, a hello's 16 random bytes,
-// the address check and the acknowledgement); an estimate until bench/setup's JSONs calibrate it.
+// the address checks and the acknowledgement); an estimate until bench/setup's JSONs calibrate it.
+// `local_report_cpu` is a parent's within a machine (accept on a local socket, a peer-credential
+// check, one frame and its acknowledgement: no handshake); an estimate too.
 // `max_handshakes` is connector.cpp's limit on handshakes side by side; `listen_backlog` the
 // kernel's accept queue (asio's max_listen_connections, SOMAXCONN: 4096 since Linux 5.4 and glibc
 // 2.35): a rank whose SYN finds it full waits for the SYN's retransmission, `syn_retry` (Linux's
-// initial RTO) later. A table line is "host port\n", at most 22 bytes for IPv4.
+// initial RTO) later. A table line is "host port\n", at most 22 bytes for IPv4; a report's line has
+// the rank before it.
 struct SetupCosts {
   double report_cpu = 50e-6;
+  double local_report_cpu = 10e-6;
   int max_handshakes = 64;
   int listen_backlog = 4096;
   double syn_retry = 1.0;
@@ -235,11 +239,13 @@ struct SetupCosts {
 };
 
 struct SetupTime {
-  double reports = 0;     // seconds until rank 0 holds every address
+  double machine = 0;     // seconds until each machine's local rank 0 holds its machine's addresses
+  double reports = 0;     // seconds until rank 0 holds every address (from the start)
   double tree = 0;        // seconds for the table to reach the deepest rank of the tree
   double rank0_cpu = 0;   // of `reports`, rank 0's CPU alone
   std::size_t table_bytes = 0;  // the table's frame, which every rank receives and keeps
   int levels = 0;               // of the tree
+  int machine_levels = 0;       // of the tree within a machine
 
   double total() const { return reports + tree; }
 };
@@ -248,25 +254,42 @@ struct SetupTime {
 // (each side writes before it reads, so each pair crosses in one latency): four latencies.
 inline double handshake_seconds(const LinkModel& link) { return 4 * link.latency; }
 
-inline SetupTime setup_seconds(int ranks, const LinkModel& link, const SetupCosts& costs) {
+// The rendezvous of `ranks` ranks on c's machines: each machine's ranks gather their lines up a
+// binomial tree within it, then its local rank 0 reports to rank 0 (rank 0's machine needs no
+// report), then the table goes down a binomial tree over all ranks.
+inline SetupTime setup_seconds(int ranks, const Cluster& c, const SetupCosts& costs) {
+  const LinkModel& link = c.link;
   SetupTime t;
   t.table_bytes = 24 + static_cast<std::size_t>(ranks) * costs.table_line_bytes;  // frame header + lines
   if (ranks == 1) return t;
-  const int reporters = ranks - 1;
-  // A report: a handshake, the address frame and its acknowledgement (one more round trip).
-  const double report = handshake_seconds(link) + 2 * link.latency;
-  // Rank 0 serves the reports on one thread, each its report_cpu, at most max_handshakes in the
-  // network at once; those that found the accept queue full come back after a SYN retransmission.
-  t.rank0_cpu = reporters * costs.report_cpu;
-  const double side_by_side = std::ceil(static_cast<double>(reporters) / costs.max_handshakes) * report;
-  // Dialing at once, the ranks fill the accept queue long before rank 0 drains it: the kernel drops
-  // the SYNs beyond it, and their senders retry after 1, 2, 4... x syn_retry (exponential backoff),
-  // each retry wave meeting a queue rank 0 has emptied meanwhile (it takes listen_backlog x
-  // report_cpu). The last wave starts at (2^w - 1) x syn_retry and rank 0 serves it after that.
-  const int last_wave = (reporters - 1) / costs.listen_backlog;
-  const double last_served = costs.syn_retry * (std::exp2(last_wave) - 1) +
-                             (reporters - last_wave * costs.listen_backlog) * costs.report_cpu;
-  t.reports = report + std::max({t.rank0_cpu, side_by_side, last_served});
+  // Within a machine: per level a local connect's round trip, the frame and its acknowledgement,
+  // the frame growing to half the machine's lines at the last level.
+  const int local = std::min(c.ranks_per_machine, ranks);
+  const double line_bytes = static_cast<double>(costs.table_line_bytes + 6);
+  t.machine_levels = std::bit_width(static_cast<unsigned>(local - 1));
+  t.machine = t.machine_levels * (3 * c.intra.latency + costs.local_report_cpu) +
+              line_bytes * local * c.intra.seconds_per_byte;
+  const int reporters = ranks / local - 1;
+  if (reporters == 0) {
+    t.reports = t.machine;
+  } else {
+    // A report: a handshake, the address frame (the machine's lines) and its acknowledgement (one
+    // more round trip).
+    const double report = handshake_seconds(link) + 2 * link.latency + line_bytes * local * link.seconds_per_byte;
+    // Rank 0 serves the reports on one thread, each its report_cpu, at most max_handshakes in the
+    // network at once; those that found the accept queue full come back after a SYN retransmission.
+    t.rank0_cpu = reporters * costs.report_cpu;
+    const double side_by_side = std::ceil(static_cast<double>(reporters) / costs.max_handshakes) * report;
+    // Dialing at once, the machines fill the accept queue long before rank 0 drains it: the kernel
+    // drops the SYNs beyond it, and their senders retry after 1, 2, 4... x syn_retry (exponential
+    // backoff), each retry wave meeting a queue rank 0 has emptied meanwhile (it takes
+    // listen_backlog x report_cpu). The last wave starts at (2^w - 1) x syn_retry and rank 0 serves
+    // it after that.
+    const int last_wave = (reporters - 1) / costs.listen_backlog;
+    const double last_served = costs.syn_retry * (std::exp2(last_wave) - 1) +
+                               (reporters - last_wave * costs.listen_backlog) * costs.report_cpu;
+    t.reports = t.machine + report + std::max({t.rank0_cpu, side_by_side, last_served});
+  }
   // The binomial tree: ceil(log2 n) levels, each a handshake, the CPU of one, and the table frame,
   // which a parent sends to all its children at once over its one link: on the deepest path the
   // parent at level d has levels - d children, so the link carries the table levels(levels+1)/2

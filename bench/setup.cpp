@@ -69,6 +69,7 @@ int main(int argc, char** argv) try {
              tk::median(slowest_ms));
   if (!cfg.json.empty())
     tk::write_json(cfg.json, {{"ranks", n},
+                              {"ranks_per_machine", std::max(options.local_size, 1)},
                               {"rounds", cfg.rounds},
                               {"rank0_ms", own_ms},
                               {"slowest_ms", slowest_ms},

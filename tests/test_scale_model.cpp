@@ -70,16 +70,29 @@ TEST_CASE("scale model: a codec that sends the values as they are, at no cost, i
 }
 
 TEST_CASE("scale model: the rendezvous") {
-  const SetupCosts costs{.report_cpu = 50e-6, .listen_backlog = 100};
-  CHECK(setup_seconds(1, network, costs).total() == 0);
-  const SetupTime four = setup_seconds(4, network, costs);
+  const SetupCosts costs{.report_cpu = 50e-6, .local_report_cpu = 10e-6, .listen_backlog = 100};
+  const Cluster alone{.link = network, .intra = memory, .ranks_per_machine = 1};
+  const double line = 28 * network.seconds_per_byte;  // one report line
+  CHECK(setup_seconds(1, alone, costs).total() == 0);
+  const SetupTime four = setup_seconds(4, alone, costs);
   CHECK(four.levels == 2);
+  CHECK(four.machine_levels == 0);
   CHECK(four.table_bytes == 24 + 4 * 22);
   // 3 reports of 6 latencies, side by side; rank 0's CPU for them is the longer.
-  CHECK(four.reports == doctest::Approx(6 * network.latency + 3 * 50e-6));
+  CHECK(four.reports == doctest::Approx(6 * network.latency + line + 3 * 50e-6));
   // Beyond the accept queue the SYNs wait for their retransmission: 150 reporters, a queue of 100.
-  const SetupTime crowded = setup_seconds(151, network, costs);
-  CHECK(crowded.reports == doctest::Approx(6 * network.latency + costs.syn_retry + 50 * 50e-6));
+  const SetupTime crowded = setup_seconds(151, alone, costs);
+  CHECK(crowded.reports == doctest::Approx(6 * network.latency + line + costs.syn_retry + 50 * 50e-6));
+  // 4 machines of 4: two levels within each machine, then 3 reports of 4 lines.
+  const SetupTime machines = setup_seconds(16, {.link = network, .intra = memory, .ranks_per_machine = 4}, costs);
+  CHECK(machines.machine_levels == 2);
+  CHECK(machines.machine == doctest::Approx(2 * (3 * memory.latency + 10e-6) + 4 * 28 * memory.seconds_per_byte));
+  CHECK(machines.reports == doctest::Approx(machines.machine + 6 * network.latency + 4 * line + 3 * 50e-6));
+  CHECK(machines.levels == 4);
+  // One machine of 16: no report crosses a network; rank 0 holds every line once its tree is in.
+  const SetupTime one = setup_seconds(16, {.link = network, .intra = memory, .ranks_per_machine = 16}, costs);
+  CHECK(one.rank0_cpu == 0);
+  CHECK(one.reports == doctest::Approx(one.machine));
 }
 
 TEST_CASE("scale model: a trace's buckets overlapped with backward") {

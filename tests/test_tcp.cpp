@@ -10,8 +10,10 @@
 #include <atomic>
 #include <filesystem>
 #include <cstring>
-#include <new>
 #include <mutex>
+#include <new>
+#include <set>
+#include <sstream>
 
 #include <fmt/ranges.h>
 
@@ -91,7 +93,7 @@ struct RawPeer {
     ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
     ::listen(listener, 4);
     ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length);
-    send_text(wire::FrameType::address, "127.0.0.1 " + std::to_string(ntohs(addr.sin_port)));
+    send_text(wire::FrameType::address, "1 127.0.0.1 " + std::to_string(ntohs(addr.sin_port)) + "\n");
     const bool acknowledged = receive_text().has_value();
     ::close(fd);
     fd = acknowledged ? ::accept(listener, nullptr, nullptr) : -1;
@@ -100,10 +102,12 @@ struct RawPeer {
     return hello;
   }
   // Both hellos, then both proofs (those only where the versions match); returns the peer's hello.
+  // Both sides write first, so a fake that accepted the connection greets the same way.
   std::optional<transport::tcp_wire::Hello> greet(std::uint16_t version, std::uint32_t connection,
-                                                   std::string_view with_token) {
+                                                   std::string_view with_token, std::uint32_t rank = 1,
+                                                   std::uint32_t world_size = 2) {
     namespace wire = transport::tcp_wire;
-    const auto own = wire::encode(wire::Hello{.version = version, .rank = 1, .world_size = 2, .connection = connection});
+    const auto own = wire::encode(wire::Hello{.version = version, .rank = rank, .world_size = world_size, .connection = connection});
     put(own.data(), own.size());
     std::array<std::byte, wire::hello_bytes> theirs{};
     if (!get(theirs.data(), theirs.size())) return std::nullopt;
@@ -147,9 +151,134 @@ std::string receive_one(std::uint16_t port) {
   return "ok";
 }
 
+// A fake rank 0 of an n-rank job: takes reports on `port` until ranks 1 .. n-1 are all in (or 20
+// s pass), and returns how many report connections brought them, or why it stopped. Each report
+// is acknowledged; no table is ever sent, so the real ranks end at their setup timeout.
+struct Reports {
+  int connections = 0;
+  std::set<int> ranks;
+  std::string failure;
+};
+Reports take_reports(std::uint16_t port, int n) {
+  namespace wire = transport::tcp_wire;
+  Reports got;
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int yes = 1;
+  ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::listen(listener, 64);
+  const timeval patience{.tv_sec = 20, .tv_usec = 0};
+  ::setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof patience);
+  while (static_cast<int>(got.ranks.size()) < n - 1) {
+    RawPeer peer;
+    peer.fd = ::accept(listener, nullptr, nullptr);
+    if (peer.fd < 0) {
+      got.failure = fmt::format("no report after {} ranks", got.ranks.size());
+      break;
+    }
+    const auto hello = peer.greet(wire::version, 1, token, 0, static_cast<std::uint32_t>(n));
+    const auto text = peer.receive_text();
+    if (!hello || !text) {
+      got.failure = "a report broke off";
+      break;
+    }
+    ++got.connections;
+    std::istringstream lines(*text);
+    int rank = 0;
+    std::string host, port_text;
+    while (lines >> rank >> host >> port_text) {
+      if (host != "127.0.0.1") got.failure = fmt::format("rank {} reported at host {}", rank, host);
+      got.ranks.insert(rank);
+    }
+    peer.send_text(wire::FrameType::table, {});
+  }
+  ::close(listener);
+  return got;
+}
+
 }  // namespace
 
 TEST_SUITE("tcp") {
+  TEST_CASE("the ranks of a machine report to rank 0 together: one report per machine") {
+    // Ranks 1 .. 5 share a machine (local ranks 0 .. 4); rank 0, a fake, is a machine of its own.
+    // Told which ranks share the machine, they gather up a tree within it and reach rank 0 once;
+    // not told, each reports for itself.
+    constexpr int n = 6;
+    for (const int local_size : {5, 0}) {
+      CAPTURE(local_size);
+      const std::uint16_t port = test::free_port();
+      Reports got;
+      const auto results = test::run_processes(n, [&](int rank) -> std::string {
+        if (rank == 0) {
+          got = take_reports(port, n);
+          if (!got.failure.empty()) return got.failure;
+          return fmt::format("ok {} {}", got.connections, got.ranks.size());
+        }
+        TcpOptions o = options(rank, n, port);
+        o.local_rank = rank - 1;
+        o.local_size = local_size;
+        o.setup_timeout = 3s;
+        try {
+          Tcp t(o);
+        } catch (const Error& e) {
+          if (e.kind() == ErrorKind::timeout) return "ok";
+          return e.what();
+        }
+        return "set up without a table";
+      });
+      for (int r = 1; r < n; ++r) CHECK_MESSAGE(results[static_cast<std::size_t>(r)].ok(), r, ": ", results[static_cast<std::size_t>(r)].report);
+      CHECK(results[0].report == fmt::format("ok {} {}", local_size > 1 ? 1 : n - 1, n - 1));
+    }
+  }
+
+  TEST_CASE("a local rank that never starts, and ranks not numbered machine-major") {
+    // The machine's tree only spares rank 0 work. Local rank 3 never starts: its parent, local rank
+    // 2, goes on without it after a while, and rank 0 names it when the setup timeout ends.
+    constexpr int n = 4, absent = 3;
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      if (rank == absent) return "ok";
+      TcpOptions o = options(rank, n, port);
+      o.local_rank = rank;
+      o.local_size = n;
+      o.setup_timeout = 3s;
+      try {
+        Tcp t(o);
+      } catch (const Error& e) {
+        return e.what();
+      }
+      return "set up without rank 3";
+    });
+    CAPTURE(results[0].report);
+    CHECK(contains(results[0].report, "ranks 3 did not report where they listen within the setup timeout"));
+    for (int r = 1; r < absent; ++r) CHECK(contains(results[static_cast<std::size_t>(r)].report, "tcp setup: timeout: the address table did not arrive"));
+
+    // Two machines of 3, the ranks dealt to them in turn (machine r % 2, local rank r / 2), where
+    // every name a rank looks for assumes rank - local rank is its machine's first: the parents'
+    // names are not where the children look, so they report to rank 0 themselves, and the job
+    // sets up and averages.
+    constexpr int dealt = 6;
+    const std::uint16_t port2 = test::free_port();
+    const auto averaged = test::run_processes(dealt, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, dealt, port2);
+      o.local_rank = rank / 2;
+      o.local_size = 3;
+      o.setup_timeout = 4s;
+      o.log = {};
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(Tcp(o), {.timeout = 20s});
+      std::vector<float> gradient(10, static_cast<float>(rank));
+      sync.add("g", view(gradient));
+      sync.ready(0);
+      sync.wait();
+      return gradient[0] == 2.5f ? "ok" : fmt::format("averaged to {}", gradient[0]);
+    });
+    for (int r = 0; r < dealt; ++r) CHECK_MESSAGE(averaged[static_cast<std::size_t>(r)].ok(), r, ": ", averaged[static_cast<std::size_t>(r)].report);
+  }
+
   TEST_CASE("allreduce over TCP gives every process the ring-order reference, bit for bit") {
     const std::vector<std::size_t> sizes{0, 1, 13, 1009, 70001};
     // Coordinated sends too: with one connection per peer, a grant queued behind a message its
@@ -254,8 +383,10 @@ TEST_SUITE("tcp") {
     const auto results = test::run_processes(n, [&](int rank) -> std::string {
       const rlimit files{.rlim_cur = 64, .rlim_max = 64};
       if (::setrlimit(RLIMIT_NOFILE, &files) != 0) return "setrlimit failed";
-      Synchronizer<bucketing::PerTensor, compression::None, topology::Auto<>, Tcp> sync(Tcp(options(rank, n, port)),
-                                                                                      {.timeout = 60s, .log = {}});
+      TcpOptions o = options(rank, n, port);
+      o.local_rank = rank;  // one machine: the ranks report up a tree within it
+      o.local_size = n;
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Auto<>, Tcp> sync(Tcp(o), {.timeout = 60s, .log = {}});
       std::vector<std::vector<float>> grads;
       for (std::size_t s : sizes) grads.emplace_back(s);
       for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));

@@ -2,9 +2,11 @@
 // transport::Tcp — ranks are processes, connected pairwise over TCP (Boost.Asio, in the compiled
 // library; nothing of Asio shows here).
 //
-// Setup: rank 0 listens on MASTER_PORT; every other rank connects to it once, proves it holds the
-// job token, tells rank 0 where it listens itself and hangs up; once all have, the table of every
-// rank's address travels down a binomial tree rooted at rank 0. A pair of ranks connects only when
+// Setup: rank 0 listens on MASTER_PORT. Each machine's ranks (`local_rank`, `local_size`) gather
+// where they listen up a binomial tree of their own over the machine's local sockets, and the
+// machine's local rank 0 connects to rank 0 once, proves it holds the job token, tells rank 0 where
+// the machine's ranks listen and hangs up; once every machine has, the table of every rank's
+// address travels down a binomial tree rooted at rank 0. Rank 0 takes one report per machine. A pair of ranks connects only when
 // the data path first needs it (the lower rank dials), so a rank holds sockets only to the peers
 // its schedules use and its neighbours in that tree, not to every rank (docs/design.md, "TCP", says
 // what a peer costs). Each pair gets `connections_per_peer` sockets;
@@ -53,6 +55,11 @@ struct TcpOptions {
   std::uint16_t master_port = 29500;
   std::string token{};        // the job's shared secret
   std::string listen_addr{};  // address to listen on; empty: every interface
+  // This rank's place among the job's ranks on its machine (LOCAL_RANK, LOCAL_WORLD_SIZE): local
+  // ranks 0 .. local_size - 1 must share the machine's network namespace, where they find each
+  // other by name. local_size 0 or 1: this rank reports to rank 0 for itself.
+  int local_rank = 0;
+  int local_size = 0;
   int connections_per_peer = 1;
   std::size_t express_lane_bytes = 0;  // messages up to this size take a socket of their own; 0: none
   std::chrono::milliseconds setup_timeout = std::chrono::minutes(2);  // for the rendezvous, and for each later connection

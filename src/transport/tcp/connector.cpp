@@ -1,9 +1,11 @@
 // transport::Tcp's connections (connector.hpp).
 //
 // The rendezvous. Rank 0 listens on the master port, every other rank on a port of the system's
-// choosing. Each rank but 0 connects to rank 0 once, as the report connection (wire.hpp), says
-// where it listens, waits for rank 0's acknowledgement and hangs up: rank 0 holds a report for as
-// long as one handshake, never a socket per rank. Once every rank has reported, the table of
+// choosing. The ranks of a machine gather where they listen up a tree within the machine ("the
+// machine's reports" below); its local rank 0 (every rank, where the launcher does not say which
+// ranks share a machine) connects to rank 0 once, as the report connection (wire.hpp), says where
+// they listen, waits for rank 0's acknowledgement and hangs up: rank 0 takes one report per
+// machine, each for as long as one handshake, never a socket per rank. Once every rank is in, the table of
 // addresses travels down a binomial tree rooted at rank 0, on the first data connection of each
 // pair of the tree (the parent dials its child). A rank's tree neighbours are log2(n) + 1 at most,
 // and the table reaches every rank after log2(n) handshakes one after another.
@@ -47,6 +49,8 @@
 
 #include <boost/asio.hpp>
 #include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -61,6 +65,7 @@ namespace {
 
 namespace asio = boost::asio;
 using asio::ip::tcp;
+using local_stream = asio::local::stream_protocol;
 using boost::system::error_code;
 using Clock = std::chrono::steady_clock;
 
@@ -85,7 +90,7 @@ int tree_parent(int rank) { return gradsync::engine::binomial_tree::parent(rank)
 class Connector::Impl {
  public:
   Impl(asio::io_context& io, const TcpOptions& options)
-      : io_(io), options_(options), acceptor_(io), connected_(static_cast<std::size_t>(options.world_size), false) {
+      : io_(io), options_(options), acceptor_(io), machine_acceptor_(io), connected_(static_cast<std::size_t>(options.world_size), false) {
     check_options();
   }
 
@@ -107,14 +112,35 @@ class Connector::Impl {
       if (options_.rank == 0) {
         reported_.assign(static_cast<std::size_t>(options_.world_size), {});
         reported_[0] = fmt::format("{} {}", options_.master_addr, options_.master_port);
-        run_until_done([&] { return fatal_ || reports_ == options_.world_size - 1; }, deadline);
-        if (!fatal_ && reports_ == options_.world_size - 1) table_ = std::exchange(reported_, {});
-      } else {
+      }
+      std::vector<Entry> entries{own_entry()};
+      bool reported = false;
+      if (by_machine()) {
+        listen_within_machine();
+        run_until_done([&] { return fatal_ || machine_gathered(); }, std::min(deadline, Clock::now() + machine_patience()));
+        entries = stop_gathering();
+        if (!fatal_ && options_.local_rank != 0) {
+          try {
+            complete(report_within_machine(entries, std::min(deadline, Clock::now() + machine_patience()), reported));
+          } catch (const Error& e) {
+            if (!fatal_) fatal_ = e;
+          }
+        }
+      }
+      if (!fatal_ && !reported) {
         try {
-          complete(report_address(deadline));
+          if (options_.rank == 0)
+            record(entries, options_.master_addr);
+          else
+            complete(report_address(entries, deadline));
         } catch (const Error& e) {
           if (!fatal_) fatal_ = e;
         }
+      }
+      if (options_.rank == 0) {
+        run_until_done([&] { return fatal_ || reports_ == options_.world_size - 1; }, deadline);
+        if (!fatal_ && reports_ == options_.world_size - 1) table_ = std::exchange(reported_, {});
+      } else {
         run_until_done([&] { return fatal_ || !table_.empty(); }, deadline);
       }
       if (!fatal_ && !table_.empty()) forward_table(deadline);
@@ -146,6 +172,7 @@ class Connector::Impl {
     closing_ = true;
     error_code ignored;
     acceptor_.close(ignored);
+    machine_acceptor_.close(ignored);
     for (const auto& w : watches_) w->expire();
   }
 
@@ -175,48 +202,56 @@ class Connector::Impl {
   // at once), which fails whatever is pending on it; the step that fails then reports a timeout
   // rather than a closed socket. Shared with the timer's handler, which may run after the step.
   struct Watch {
-    Watch(asio::io_context& io, tcp::socket& s) : socket(&s), timer(io) {}
-    tcp::socket* socket;  // null once the step is over
+    explicit Watch(asio::io_context& io) : timer(io) {}
+    std::function<void()> close_socket;  // empty once the step is over
     bool expired = false;
     asio::steady_timer timer;
     void expire() {
-      if (!socket || expired) return;
+      if (!close_socket || expired) return;
       expired = true;
       timer.cancel();
-      error_code ignored;
-      socket->close(ignored);
+      close_socket();
     }
   };
 
-  // Registers a step's socket and deadline for its scope.
-  class Timed {
+  // Registers a step's socket (TCP, or a local one within the machine) and deadline for its scope.
+  template <class Socket>
+  class TimedStep {
    public:
-    Timed(Impl& c, tcp::socket& s, Clock::time_point deadline)
-        : watches_(c.watches_), at_(watches_.insert(watches_.end(), std::make_shared<Watch>(c.io_, s))) {
+    TimedStep(Impl& c, Socket& s, Clock::time_point deadline)
+        : socket_(s), watches_(c.watches_), at_(watches_.insert(watches_.end(), std::make_shared<Watch>(c.io_))) {
       const std::shared_ptr<Watch> w = *at_;
+      w->close_socket = [&s] {
+        error_code ignored;
+        s.close(ignored);
+      };
       w->timer.expires_at(deadline);
       w->timer.async_wait([w](const error_code& ec) {
         if (!ec) w->expire();
       });
       if (c.closing_) w->expire();
     }
-    Timed(const Timed&) = delete;
-    Timed& operator=(const Timed&) = delete;
-    ~Timed() {
-      (*at_)->socket = nullptr;
+    TimedStep(const TimedStep&) = delete;
+    TimedStep& operator=(const TimedStep&) = delete;
+    ~TimedStep() {
+      (*at_)->close_socket = nullptr;
       (*at_)->timer.cancel();
       watches_.erase(at_);
     }
 
-    tcp::socket& socket() const noexcept { return *(*at_)->socket; }
+    Socket& socket() const noexcept { return socket_; }
     bool expired() const noexcept { return (*at_)->expired; }
     // Ends the step now, as if its deadline had passed.
     void expire() const noexcept { (*at_)->expire(); }
 
    private:
+    Socket& socket_;
     std::list<std::shared_ptr<Watch>>& watches_;
     std::list<std::shared_ptr<Watch>>::iterator at_;
   };
+
+  using Timed = TimedStep<tcp::socket>;
+  using LocalTimed = TimedStep<local_stream::socket>;
 
   // The constructing thread: runs io_ here until `done()` or `until`.
   template <class Done>
@@ -265,7 +300,8 @@ class Connector::Impl {
     co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ignored));
   }
 
-  Task<void> read_exactly(const Timed& t, asio::mutable_buffer b, std::string_view what) {
+  template <class Socket>
+  Task<void> read_exactly(const TimedStep<Socket>& t, asio::mutable_buffer b, std::string_view what) {
     error_code ec;
     co_await asio::async_read(t.socket(), b, asio::redirect_error(asio::use_awaitable, ec));
     if (ec) throw step_error(ec, t, what);
@@ -273,24 +309,39 @@ class Connector::Impl {
 
   // (GCC 12 miscompiles a braced list in a co_await's arguments, "array used as initializer": the
   // callers name their buffer lists first.)
-  Task<void> write_all(const Timed& t, std::vector<asio::const_buffer> b, std::string_view what) {
+  template <class Socket>
+  Task<void> write_all(const TimedStep<Socket>& t, std::vector<asio::const_buffer> b, std::string_view what) {
     error_code ec;
     co_await asio::async_write(t.socket(), b, asio::redirect_error(asio::use_awaitable, ec));
     if (ec) throw step_error(ec, t, what);
   }
 
-  Error step_error(const error_code& ec, const Timed& t, std::string_view what) const {
+  template <class Socket>
+  Error step_error(const error_code& ec, const TimedStep<Socket>& t, std::string_view what) const {
     if (t.expired()) return Error(ErrorKind::timeout, where(-1), fmt::format("{} did not finish in time", what));
     return Error(ErrorKind::peer_failed, where(-1), fmt::format("{}: {}", what, ec.message()));
   }
 
-  Task<void> write_text_frame(const Timed& t, tcp_wire::FrameType type, std::string text) {
-    const auto header = tcp_wire::encode(tcp_wire::FrameHeader{type, 0, text.size()});
+  template <class Socket>
+  Task<void> write_text_frame(const TimedStep<Socket>& t, tcp_wire::FrameType type, std::string text, std::uint64_t tag = 0) {
+    const auto header = tcp_wire::encode(tcp_wire::FrameHeader{type, tag, text.size()});
     std::vector<asio::const_buffer> frame{asio::buffer(header), asio::buffer(text)};
     co_await write_all(t, std::move(frame), "sending rendezvous data");
   }
 
-  Task<std::string> read_text_frame(const Timed& t, tcp_wire::FrameType type, int peer) {
+  struct TextFrame {
+    std::uint64_t tag = 0;
+    std::string text;
+  };
+
+  template <class Socket>
+  Task<std::string> read_text_frame(const TimedStep<Socket>& t, tcp_wire::FrameType type, int peer) {
+    TextFrame frame = co_await read_tagged_frame(t, type, peer);
+    co_return std::move(frame.text);
+  }
+
+  template <class Socket>
+  Task<TextFrame> read_tagged_frame(const TimedStep<Socket>& t, tcp_wire::FrameType type, int peer) {
     std::array<std::byte, tcp_wire::header_bytes> bytes{};
     co_await read_exactly(t, asio::buffer(bytes), "reading rendezvous data");
     std::string why;
@@ -298,9 +349,9 @@ class Connector::Impl {
     if (header && header->type != type) why = fmt::format("frame type {} where {} belongs", int(header->type), int(type));
     if (header && header->length > tcp_wire::max_rendezvous_bytes) why = fmt::format("rendezvous frame of {} bytes", header->length);
     if (!why.empty()) throw protocol_error(options_.rank, peer, why);
-    std::string text(header->length, '\0');
-    co_await read_exactly(t, asio::buffer(text), "reading rendezvous data");
-    co_return text;
+    TextFrame frame{.tag = header->tag, .text = std::string(header->length, '\0')};
+    co_await read_exactly(t, asio::buffer(frame.text), "reading rendezvous data");
+    co_return frame;
   }
 
   // ---- the rendezvous ---------------------------------------------------------------------------
@@ -319,10 +370,62 @@ class Connector::Impl {
     acceptor_.listen(asio::socket_base::max_listen_connections);
   }
 
-  // Every rank but 0: tells rank 0 where this rank listens, and asks again until rank 0 says it
-  // has it (a rank 0 still serving an earlier job on the same port refuses the report).
-  Task<void> report_address(Clock::time_point deadline) {
-    const auto port = acceptor_.local_endpoint().port();
+  // One rank's place in a report: where rank `rank` listens, "host port", the host "*" until the
+  // machine's report to rank 0 says where the machine is.
+  struct Entry {
+    int rank = 0;
+    std::string address;
+  };
+
+  Entry own_entry() const {
+    return {options_.rank, fmt::format("{} {}", options_.listen_addr.empty() ? "*" : options_.listen_addr,
+                                       acceptor_.local_endpoint().port())};
+  }
+
+  // "rank host port" lines; a host "*" becomes `machine_host` unless that is empty.
+  static std::string report_text(const std::vector<Entry>& entries, std::string_view machine_host) {
+    std::string text;
+    for (const Entry& e : entries)
+      text += fmt::format("{} {}\n", e.rank,
+                          e.address.starts_with("* ") && !machine_host.empty() ? fmt::format("{}{}", machine_host, e.address.substr(1))
+                                                                                : e.address);
+    return text;
+  }
+
+  // The entries of a report from `from` (a rank, or -1 within the machine, where hosts may be "*").
+  std::vector<Entry> parse_report(const std::string& text, int from, bool within_machine) const {
+    std::vector<Entry> entries;
+    std::size_t at = 0;
+    while (at < text.size()) {
+      const auto end = text.find('\n', at);
+      if (end == std::string::npos) break;
+      const std::string line = text.substr(at, end - at);
+      at = end + 1;
+      int rank = -1, used = 0;
+      if (std::sscanf(line.c_str(), "%d %n", &rank, &used) != 1 || rank < 0 || rank >= options_.world_size)
+        throw protocol_error(options_.rank, from, fmt::format("malformed report line {:?} (world of {})", line, options_.world_size));
+      Entry e{rank, line.substr(static_cast<std::size_t>(used))};
+      if (!(within_machine && e.address.starts_with("* "))) check_address(e.address, from);
+      entries.push_back(std::move(e));
+    }
+    if (at != text.size() || entries.empty()) throw protocol_error(options_.rank, from, "malformed report");
+    return entries;
+  }
+
+  // Rank 0: the ranks of a report are in the table (rank 0's own line, preset, is skipped).
+  void record(const std::vector<Entry>& entries, std::string_view machine_host) {
+    for (const Entry& e : entries) {
+      if (e.rank == 0) continue;
+      auto& slot = reported_[static_cast<std::size_t>(e.rank)];
+      if (slot.empty()) ++reports_;
+      slot = e.address.starts_with("* ") ? fmt::format("{}{}", machine_host, e.address.substr(1)) : e.address;
+    }
+  }
+
+  // A rank that reports to rank 0 (the machine's local rank 0, or every rank where the machine is
+  // not known): tells rank 0 where the ranks of `entries` listen, and asks again until rank 0 says
+  // it has them (a rank 0 still serving an earlier job on the same port refuses the report).
+  Task<void> report_address(std::vector<Entry> entries, Clock::time_point deadline) {
     for (;;) {
       tcp::socket s = co_await dial_socket(options_.master_addr, options_.master_port, 0, report_connection(), deadline, true);
       const std::string advertised = options_.listen_addr.empty() ? s.local_endpoint().address().to_string() : options_.listen_addr;
@@ -330,7 +433,7 @@ class Connector::Impl {
       {
         const Timed t(*this, s, deadline);
         try {
-          co_await write_text_frame(t, tcp_wire::FrameType::address, fmt::format("{} {}", advertised, port));
+          co_await write_text_frame(t, tcp_wire::FrameType::address, report_text(entries, advertised));
           co_await read_text_frame(t, tcp_wire::FrameType::table, 0);
           acknowledged = true;
         } catch (const Error& e) {
@@ -344,16 +447,178 @@ class Connector::Impl {
     }
   }
 
-  // Rank 0: one rank's report, acknowledged with an empty table frame.
+  // Rank 0: one report (a machine's ranks, or one rank's), acknowledged with an empty table frame.
   Task<void> take_report(tcp::socket& s, int peer) {
     const Timed t(*this, s, Clock::now() + handshake_limit);
-    std::string address = co_await read_text_frame(t, tcp_wire::FrameType::address, peer);
-    check_address(address, peer);
-    if (reported_.empty()) co_return;  // every rank reported meanwhile (this one before): nothing to add
-    auto& entry = reported_[static_cast<std::size_t>(peer)];
-    if (entry.empty()) ++reports_;
-    entry = std::move(address);
+    const auto entries = parse_report(co_await read_text_frame(t, tcp_wire::FrameType::address, peer), peer, false);
+    if (reported_.empty()) co_return;  // every rank reported meanwhile (these before): nothing to add
+    record(entries, {});
     co_await write_text_frame(t, tcp_wire::FrameType::table, {});
+  }
+
+  // ---- the machine's reports --------------------------------------------------------------------
+  //
+  // Where the launcher says which ranks share a machine (TcpOptions::local_rank, local_size), they
+  // gather their entries up a binomial tree over local ranks (engine/binomial_tree.hpp), and local
+  // rank 0 sends the machine's to rank 0 in one report: rank 0 takes one report per machine, and a
+  // machine makes one connection to it. Local rank l listens, while it has children to hear from,
+  // on a name in Linux's abstract socket namespace (no file, gone with its process; one namespace
+  // per network namespace, that is per machine, or per emulated host), unique to the job by a
+  // digest of its token, rank 0's address and the world size, and to the machine by its first
+  // rank (rank - local rank: ranks numbered machine-major, as launchers number them by default, and
+  // as gradsync-run's emulated machines on one host are told apart), so that every local rank can
+  // name its parent without being told. A child sends an address frame (tag: its local rank) of
+  // its subtree's entries, and its parent acknowledges with an empty table frame. Only a process of
+  // this process's user is heard (SO_PEERCRED): such a process can read this one's memory anyway,
+  // so the token's proof adds nothing there.
+  //
+  // The tree only spares rank 0 work; rank 0 counts ranks, not reports. A parent waits for its
+  // children for machine_patience(), then goes on with the entries it has and hears no more; a
+  // child whose parent has not acknowledged within as long reports to rank 0 itself. So a child
+  // that starts late, a local rank that never starts (rank 0 names it at the setup timeout, as
+  // always) and ranks numbered otherwise (their parents' names are not where they look) cost at
+  // most two patiences, not the setup.
+
+  // A parent's wait for its children, and a child's for its parent's acknowledgement: long enough
+  // for a machine's ranks to start, a fraction of the setup timeout.
+  std::chrono::milliseconds machine_patience() const {
+    return std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(options_.setup_timeout) / 4,
+                      std::chrono::milliseconds(100), std::chrono::milliseconds(10000));
+  }
+
+  bool by_machine() const { return options_.local_size > 1; }
+
+  local_stream::endpoint machine_endpoint(int local_rank) const {
+    const std::string job = fmt::format("gradsync machine rendezvous {} {} {}", options_.master_addr, options_.master_port, options_.world_size);
+    const auto digest = gradsync::detail::hmac_sha256(std::as_bytes(std::span(options_.token)), std::as_bytes(std::span(job)));
+    std::string name(1, '\0');  // the abstract namespace
+    name += "gradsync-";
+    for (std::size_t i = 0; i < 8; ++i) name += fmt::format("{:02x}", static_cast<unsigned>(digest[i]));
+    name += fmt::format("-m{}-{}", options_.rank - options_.local_rank, local_rank);
+    return local_stream::endpoint(name);
+  }
+
+  void listen_within_machine() {
+    if (options_.local_rank < 0 || options_.local_rank >= options_.local_size)
+      throw Error(ErrorKind::invalid_argument, where(-1),
+                  fmt::format("local rank {} is outside the {} ranks of this machine", options_.local_rank, options_.local_size));
+    const int children = gradsync::engine::binomial_tree::children(options_.local_rank, options_.local_size);
+    machine_children_.assign(static_cast<std::size_t>(children), {});
+    if (children == 0) return;
+    error_code ec;
+    machine_acceptor_.open(local_stream(), ec);
+    if (!ec) machine_acceptor_.bind(machine_endpoint(options_.local_rank), ec);
+    if (!ec) machine_acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec)
+      throw Error(ErrorKind::invalid_argument, where(-1),
+                  fmt::format("cannot take local rank {}'s name on this machine ({}): another process of this job claims "
+                              "LOCAL_RANK {} here",
+                              options_.local_rank, ec.message(), options_.local_rank));
+    spawn(machine_accept_loop(), -1);
+  }
+
+  bool machine_gathered() const {
+    return std::all_of(machine_children_.begin(), machine_children_.end(), [](const auto& c) { return !c.empty(); });
+  }
+
+  // Hears no more children; returns this rank's entry, then those of the subtrees that came, in
+  // order (local ranks in order).
+  std::vector<Entry> stop_gathering() {
+    gathering_over_ = true;
+    error_code ignored;
+    machine_acceptor_.close(ignored);
+    std::vector<Entry> entries{own_entry()};
+    for (const auto& child : machine_children_) entries.insert(entries.end(), child.begin(), child.end());
+    return entries;
+  }
+
+  Task<void> machine_accept_loop() {
+    for (;;) {
+      local_stream::socket s(io_);
+      error_code ec;
+      co_await machine_acceptor_.async_accept(s, asio::redirect_error(asio::use_awaitable, ec));
+      if (closing_ || !machine_acceptor_.is_open()) co_return;
+      if (ec) throw Error(ErrorKind::peer_failed, where(-1), fmt::format("accepting this machine's reports failed: {}", ec.message()));
+      spawn(take_machine_report(std::move(s)), -1);
+    }
+  }
+
+  // One child's report: its subtree's entries, acknowledged. A child that reports again (it missed
+  // the acknowledgement) replaces what it sent.
+  Task<void> take_machine_report(local_stream::socket s) {
+    const LocalTimed t(*this, s, Clock::now() + handshake_limit);
+    std::string why = foreign_user(s);
+    TextFrame frame;
+    std::vector<Entry> entries;
+    if (why.empty()) {
+      try {
+        frame = co_await read_tagged_frame(t, tcp_wire::FrameType::address, -1);
+        entries = parse_report(frame.text, -1, true);
+      } catch (const Error& e) {
+        why = e.detail();
+      }
+    }
+    namespace tree = gradsync::engine::binomial_tree;
+    std::size_t child = machine_children_.size();
+    for (std::size_t i = 0; why.empty() && i < machine_children_.size(); ++i)
+      if (frame.tag == static_cast<std::uint64_t>(tree::child(options_.local_rank, static_cast<int>(i)))) child = i;
+    if (why.empty() && child == machine_children_.size())
+      why = fmt::format("local rank {} is not one that local rank {} gathers for", frame.tag, options_.local_rank);
+    if (!why.empty()) {
+      refuse("this machine's local socket", Handshake{.refusal = why});
+      co_return;
+    }
+    // Too late: this rank has gone on without it. No acknowledgement, so the child reports to rank
+    // 0 itself.
+    if (gathering_over_) co_return;
+    machine_children_[child] = std::move(entries);
+    co_await write_text_frame(t, tcp_wire::FrameType::table, {});
+  }
+
+  // Why the process at the other end of `s` is not heard; empty if it is of this process's user.
+  static std::string foreign_user(local_stream::socket& s) {
+    ucred peer{};
+    socklen_t size = sizeof peer;
+    if (::getsockopt(s.native_handle(), SOL_SOCKET, SO_PEERCRED, &peer, &size) != 0)
+      return fmt::format("cannot tell whose process connected: {}", std::strerror(errno));
+    if (peer.uid != ::geteuid())
+      return fmt::format("process {} belongs to user {}, this job to user {}", peer.pid, peer.uid, ::geteuid());
+    return {};
+  }
+
+  // A local rank but 0: its subtree's entries to its parent, asked again until the parent says it
+  // has them (it may not listen yet: the pauses between tries start short, as a local connection
+  // costs microseconds, and double up to redial_pause) or `until`; `acknowledged` says which.
+  Task<void> report_within_machine(std::vector<Entry> entries, Clock::time_point until, bool& acknowledged) {
+    const int parent = gradsync::engine::binomial_tree::parent(options_.local_rank);
+    const std::string text = report_text(entries, {});
+    for (auto pause_for = std::chrono::milliseconds(1);; pause_for = std::min(2 * pause_for, redial_pause)) {
+      local_stream::socket s(io_);
+      {
+        const LocalTimed t(*this, s, until);
+        error_code ec;
+        co_await s.async_connect(machine_endpoint(parent), asio::redirect_error(asio::use_awaitable, ec));
+        if (!ec) {
+          try {
+            co_await write_text_frame(t, tcp_wire::FrameType::address, text, static_cast<std::uint64_t>(options_.local_rank));
+            co_await read_text_frame(t, tcp_wire::FrameType::table, -1);
+            acknowledged = true;
+            co_return;
+          } catch (const Error& e) {
+            if (e.kind() != ErrorKind::peer_failed && e.kind() != ErrorKind::timeout) throw;
+          }
+        }
+      }
+      if (closing_) throw Error(ErrorKind::peer_failed, where(-1), "the transport closed before this rank reported");
+      if (Clock::now() + pause_for >= until) break;
+      co_await pause(pause_for);
+    }
+    if (options_.local_rank == 1)  // one line a machine
+      log_line(options_.log,
+               fmt::format("gradsync: rank {}: local rank 0 of this machine did not take its report in {} ms; reporting to "
+                           "rank 0 directly (are LOCAL_RANK and LOCAL_WORLD_SIZE one machine's ranks, numbered "
+                           "machine-major?)",
+                           options_.rank, machine_patience().count()));
   }
 
   // Passes the table to this rank's children in the tree, all at once, each on the first data
@@ -744,6 +1009,9 @@ class Connector::Impl {
   asio::io_context& io_;
   const TcpOptions& options_;
   tcp::acceptor acceptor_;
+  local_stream::acceptor machine_acceptor_;  // while this rank has local ranks to hear from
+  std::vector<std::vector<Entry>> machine_children_;  // per child in the machine's tree: its subtree's entries, once in
+  bool gathering_over_ = false;  // this rank has gone on with the entries it had
   std::vector<std::string> table_;     // every rank's "host port", once the rendezvous brought it
   std::vector<std::string> reported_;  // rank 0 during the rendezvous: the addresses reported so far
   int reports_ = 0;

@@ -21,6 +21,8 @@ TcpOptions Tcp::options_from_env() {
   o.master_addr = launch.master_addr;
   o.master_port = launch.master_port;
   o.token = launch.token;
+  o.local_rank = launch.local_rank;
+  o.local_size = launch.local_world_size;
   if (const auto listen = launch::process_environment("GRADSYNC_LISTEN_ADDR")) o.listen_addr = *listen;
   if (const auto c = launch::number_setting("GRADSYNC_CONNECTIONS_PER_PEER", 1, 64)) o.connections_per_peer = static_cast<int>(*c);
   if (const auto b = launch::number_setting("GRADSYNC_EXPRESS_LANE_BYTES", 0, 1L << 30)) o.express_lane_bytes = static_cast<std::size_t>(*b);
