@@ -151,6 +151,20 @@ std::string receive_one(std::uint16_t port) {
   return "ok";
 }
 
+// A listening socket on 127.0.0.1:port, where a fake rank 0 waits.
+int listen_on(std::uint16_t port, int backlog) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int yes = 1;
+  ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::listen(listener, backlog);
+  return listener;
+}
+
 // A fake rank 0 of an n-rank job: takes reports on `port` until ranks 1 .. n-1 are all in (or 20
 // s pass), and returns how many report connections brought them, or why it stopped. Each report
 // is acknowledged; no table is ever sent, so the real ranks end at their setup timeout.
@@ -162,15 +176,7 @@ struct Reports {
 Reports take_reports(std::uint16_t port, int n) {
   namespace wire = transport::tcp_wire;
   Reports got;
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  const int yes = 1;
-  ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  ::listen(listener, 64);
+  const int listener = listen_on(port, 64);
   const timeval patience{.tv_sec = 20, .tv_usec = 0};
   ::setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof patience);
   while (static_cast<int>(got.ranks.size()) < n - 1) {
@@ -729,15 +735,7 @@ TEST_SUITE("tcp") {
         Tcp t(options(1, 2, port2));
         return "connected";
       }
-      const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-      const int yes = 1;
-      ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_port = htons(port2);
-      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-      ::listen(listener, 4);
+      const int listener = listen_on(port2, 4);
       RawPeer fake;
       fake.fd = ::accept(listener, nullptr, nullptr);
       ::close(listener);
