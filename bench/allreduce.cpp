@@ -4,7 +4,7 @@
 //   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server|hierarchical|recursive-doubling|halving-doubling|auto]
-//             [--partitions P] [--ranks-per-machine L]
+//             [--partitions P] [--ranks-per-machine L] [--across auto|ring|recursive-doubling|halving-doubling]
 //             [--chunk-bytes B] [--data gradient|constant] [--json PATH]
 //
 // in-process: N ranks as threads of this process. shm: one rank per process, all on one machine,
@@ -75,6 +75,7 @@ struct Config {
   std::string topology = "ring";
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
   int ranks_per_machine = 0;   // hierarchical: L; 0 until parsed, then LOCAL_WORLD_SIZE, else 1
+  std::string across = "auto";  // hierarchical: its schedule across machines
   std::size_t chunk_bytes = 0;  // 0: the topology's own
   std::string data = "gradient";
   std::string json;
@@ -87,7 +88,9 @@ struct Row {
   std::uint64_t wrong = 0;
   bool checked = true;
   std::string topology;  // the schedule this size ran: --topology auto chooses per size
-  std::optional<LinkModel> link;  // what --topology auto measured before choosing, for the JSON
+  std::string across;    // hierarchical: the schedule across machines this size ran (--across auto chooses)
+  std::optional<LinkModel> link;         // what auto measured before choosing (hierarchical: within a machine)
+  std::optional<LinkModel> link_across;  // hierarchical: what --across auto measured between machines
 };
 
 // Whether expected_average can replay the codec one value at a time.
@@ -124,9 +127,14 @@ topology::ParameterServer parameter_server(const Config& cfg) {
   return {.partitions = cfg.partitions, .chunk_elements = chunk_elements(cfg, topology::ParameterServer{}.chunk_elements)};
 }
 
+// --across's names, in Hierarchical::Across's order.
+const std::vector<std::string> across_names{"auto", "ring", "recursive-doubling", "halving-doubling"};
+
 topology::Hierarchical hierarchical(const Config& cfg) {
+  const auto named = std::find(across_names.begin(), across_names.end(), cfg.across);
   return {.ranks_per_machine = cfg.ranks_per_machine,
-          .chunk_elements = chunk_elements(cfg, topology::Hierarchical{}.chunk_elements)};
+          .chunk_elements = chunk_elements(cfg, topology::Hierarchical{}.chunk_elements),
+          .across = static_cast<topology::Hierarchical::Across>(named - across_names.begin())};
 }
 
 // --ranks-per-machine's default: LOCAL_WORLD_SIZE (set by torchrun, gradsync-run and netcluster), else 1.
@@ -140,16 +148,48 @@ int local_world_size() {
   return value;
 }
 
+// Recursive doubling's or halving-doubling's arithmetic (`halving`) on constant buckets, one value
+// per participant in group order, the sum divided by `divisor`, written into `out`: the fold, then
+// by recursive doubling each pair of a round adds the two partial sums, each through the codec,
+// lower rank first; by halving-doubling each segment's keeper adds its partner's partial through
+// the codec to its own, and the owner's average goes through it once.
+template <class Codec>
+void log_depth_average(const Codec& codec, std::vector<float> value, int divisor, bool halving, std::span<float> out) {
+  const int n = static_cast<int>(value.size());
+  const int p = static_cast<int>(std::bit_floor(static_cast<unsigned>(n))), folded = n - p;
+  const auto sent = [&](float v) { return Codec::identity ? v : compression::round_trip(codec, v); };
+  const auto rank_of = [&](int v) { return static_cast<std::size_t>(v < folded ? 2 * v + 1 : v + folded); };
+  if (n == 1) return std::fill(out.begin(), out.end(), value[0] / static_cast<float>(divisor));
+  for (int i = 0; i < folded; ++i) value[rank_of(i)] += sent(value[static_cast<std::size_t>(2 * i)]);
+  if (!halving) {
+    for (int k = 1; k < p; k *= 2)
+      for (int v = 0; v < p; ++v)
+        if ((v & k) == 0) value[rank_of(v)] = value[rank_of(v | k)] = sent(value[rank_of(v)]) + sent(value[rank_of(v | k)]);
+    return std::fill(out.begin(), out.end(), value[rank_of(0)] / static_cast<float>(divisor));
+  }
+  // Every participant adds its partner's partial (through the codec) to its own, distance p/2
+  // first; participant s ends with segment s, averages it and sends it through the codec once.
+  for (int distance = p / 2; distance >= 1; distance /= 2) {
+    std::vector<float> before = value;
+    for (int v = 0; v < p; ++v) value[rank_of(v)] = before[rank_of(v)] + sent(before[rank_of(v ^ distance)]);
+  }
+  for (int s = 0; s < p; ++s) {
+    const ElemRange segment = topology::Ring::segment(out.size(), p, s);
+    std::fill(out.begin() + static_cast<std::ptrdiff_t>(segment.begin), out.begin() + static_cast<std::ptrdiff_t>(segment.end),
+              sent(value[rank_of(s)] / static_cast<float>(divisor)));
+  }
+}
+
 // What every element must hold after the first allreduce when rank r contributes r + 1 everywhere:
 // on a ring each segment's partial sum passes through the codec once per hop, in the ring's order;
 // on a parameter server each part's root adds the others' values (each through the codec) to its
-// own, in group order; by recursive doubling each pair of a round adds the two partial sums, each
-// through the codec, lower rank first; by halving-doubling each segment's keeper adds its partner's
-// partial through the codec to its own, and the owner's average goes through it once; hierarchically each machine sums its ranks' values as they are, in ring order
-// round the machine, and the machines' sums go round a ring through the codec (hierarchical.hpp).
+// own, in group order; by recursive doubling or halving-doubling as log_depth_average has it;
+// hierarchically each machine sums its ranks' values as they are, in ring order round the machine,
+// and the machines' sums go round a ring through the codec, or through the log-depth schedule
+// across (hierarchical.hpp).
 template <class Codec>
 std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg,
-                                    const std::string& schedule) {
+                                    const std::string& schedule, const std::string& across) {
   const auto through = [&](float v) { return compression::round_trip(codec, v); };
   std::vector<float> expected(count);
   const auto fill = [&](ElemRange range, float value) {
@@ -165,6 +205,13 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
         return sum;
       };
       const ElemRange shard = topology::Ring::segment(count, per_machine, s);
+      if (across != "ring") {
+        std::vector<float> sums;
+        for (int m = 0; m < machines; ++m) sums.push_back(machine_sum(m));
+        log_depth_average(codec, sums, n, across == "halving-doubling",
+                          std::span<float>(expected).subspan(shard.begin, shard.size()));
+        continue;
+      }
       for (int t = 0; t < machines; ++t) {
         float partial = machine_sum(t);
         for (int k = 1; k < machines; ++k) partial = machine_sum((t + k) % machines) + (Codec::identity ? partial : through(partial));
@@ -175,29 +222,10 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
     }
     return expected;
   }
-  if (schedule == "recursive-doubling" || schedule == "halving-doubling") {  // fold, then the rounds
-    const int p = static_cast<int>(std::bit_floor(static_cast<unsigned>(n))), folded = n - p;
+  if (schedule == "recursive-doubling" || schedule == "halving-doubling") {
     std::vector<float> value(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) value[static_cast<std::size_t>(r)] = static_cast<float>(r + 1);
-    if (n == 1) return std::vector<float>(count, value[0]);
-    const auto sent = [&](float v) { return Codec::identity ? v : through(v); };
-    const auto rank_of = [&](int v) { return static_cast<std::size_t>(v < folded ? 2 * v + 1 : v + folded); };
-    for (int i = 0; i < folded; ++i) value[rank_of(i)] += sent(value[static_cast<std::size_t>(2 * i)]);
-    if (schedule == "recursive-doubling") {  // each pair: the lower's and the higher's, each through the codec
-      for (int k = 1; k < p; k *= 2)
-        for (int v = 0; v < p; ++v)
-          if ((v & k) == 0) value[rank_of(v)] = value[rank_of(v | k)] = sent(value[rank_of(v)]) + sent(value[rank_of(v | k)]);
-      std::fill(expected.begin(), expected.end(), value[rank_of(0)] / static_cast<float>(n));
-      return expected;
-    }
-    // Halving-doubling: every participant adds its partner's partial (through the codec) to its
-    // own, distance p/2 first; participant s ends with segment s, averages it and sends it through
-    // the codec once.
-    for (int distance = p / 2; distance >= 1; distance /= 2) {
-      std::vector<float> before = value;
-      for (int v = 0; v < p; ++v) value[rank_of(v)] = before[rank_of(v)] + sent(before[rank_of(v ^ distance)]);
-    }
-    for (int s = 0; s < p; ++s) fill(topology::Ring::segment(count, p, s), sent(value[rank_of(s)] / static_cast<float>(n)));
+    log_depth_average(codec, value, n, schedule == "halving-doubling", std::span<float>(expected));
     return expected;
   }
   if (cfg.topology == "parameter-server") {
@@ -325,15 +353,31 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const Group group = Group::world(transport.rank(), n);
   const topology::Ring ring = ring_topology(cfg);
   const topology::ParameterServer ps = parameter_server(cfg);
-  const topology::Hierarchical hier = hierarchical(cfg);
+  topology::Hierarchical hier = hierarchical(cfg);
   topology::Auto<> chooser{.large = ring};
+  const auto gigabytes_per_second = [](const LinkModel& l) { return l.seconds_per_byte > 0 ? 1e-9 / l.seconds_per_byte : 0.0; };
   if (cfg.topology == "auto" && n > 1) {
     engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
     chooser.link = engine::calibrate_link(control);
     if (transport.rank() == 0)
       fmt::print("# link measured: {:.1f} us + {:.3f} GB/s\n", chooser.link.latency * 1e6,
-                 chooser.link.seconds_per_byte > 0 ? 1e-9 / chooser.link.seconds_per_byte : 0.0);
+                 gigabytes_per_second(chooser.link));
   }
+  // As the Synchronizer measures them for Hierarchical's choice across machines.
+  const bool hierarchical_chooses = cfg.topology == "hierarchical" && cfg.across == "auto" && hier.machines(group) > 1;
+  if (hierarchical_chooses) {
+    engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
+    const engine::MachineLinks links = engine::calibrate_machine_links(control, hier.ranks_per_machine);
+    hier.link = links.within;
+    hier.link_across = links.across;
+    if (transport.rank() == 0)
+      fmt::print("# links measured: {:.1f} us + {:.3f} GB/s within a machine, {:.1f} us + {:.3f} GB/s across\n",
+                 links.within.latency * 1e6, gigabytes_per_second(links.within), links.across.latency * 1e6,
+                 gigabytes_per_second(links.across));
+  }
+  const auto across = [&](std::size_t count) -> std::string {
+    return cfg.topology == "hierarchical" ? topology::Hierarchical::name(hier.across_for(group, count)) : "";
+  };
   const auto chosen = [&](std::size_t count) -> std::string {
     if (cfg.topology != "auto") return cfg.topology;
     switch (chooser.choose(group, count)) {
@@ -371,7 +415,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     const bool checked = gradient || elementwise<Codec>;
     const std::vector<float> mine = gradient ? tk::gradient_values(count, transport.rank()) : std::vector<float>{};
     const std::vector<float> expected =
-        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count))
+        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count), across(count))
                                         : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;
@@ -399,8 +443,11 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     }
     coordination.reduce_to_root(times, wrong);
     if (transport.rank() == 0)
-      rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count),
-                      cfg.topology == "auto" && n > 1 ? std::optional(chooser.link) : std::nullopt});
+      rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count), across(count),
+                      cfg.topology == "auto" && n > 1 ? std::optional(chooser.link)
+                      : hierarchical_chooses          ? std::optional(hier.link)
+                                                      : std::nullopt,
+                      hierarchical_chooses ? std::optional(hier.link_across) : std::nullopt});
   }
   return rows;
 }
@@ -466,6 +513,10 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
                  "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",
                  {.low = 1});
+  tk::add_choice(app, "--across", cfg.across,
+                 "hierarchical: the schedule across machines; auto: per size, by the links it measures within and "
+                 "across machines",
+                 across_names);
   tk::add_byte_size(app, "--chunk-bytes", cfg.chunk_bytes,
                     "the topology's piece size (default: its own, 1 MiB for ring and parameter server, 256 KiB for "
                     "hierarchical)",
@@ -508,7 +559,8 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
     const double algbw = static_cast<double>(row.bytes) / row.time_us / 1e3;
     fmt::print("  {:>12} {:>11} {:>5} {:>11.1f} {:>8.3f} {:>8.3f} {:>11.1f} {:>9.2f} {:>6}  {}\n", row.bytes,
                row.bytes / sizeof(float), "float", row.time_us, algbw, algbw * bus_factor(ranks), row.memcpy_us,
-               row.time_us / row.memcpy_us, row.checked ? fmt::to_string(row.wrong) : "-", row.topology);
+               row.time_us / row.memcpy_us, row.checked ? fmt::to_string(row.wrong) : "-",
+               row.across.empty() ? row.topology : fmt::format("{} ({} across)", row.topology, row.across));
     wrong += row.wrong;
   }
   fmt::print("# {}: {} {}\n", cfg.data == "gradient" ? "ranks differing" : "out of bounds values", wrong,
@@ -530,11 +582,19 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"busbw_GBps", tk::rounded(algbw * bus_factor(ranks), 5)},
                     {"memcpy_us", tk::rounded(r.memcpy_us, 3)},
                     {"wrong", r.checked ? tk::Json(r.wrong) : tk::Json()}});
-    if (cfg.topology == "hierarchical") json.back()["ranks_per_machine"] = cfg.ranks_per_machine;
+    if (cfg.topology == "hierarchical") {
+      json.back()["ranks_per_machine"] = cfg.ranks_per_machine;
+      json.back()["across"] = r.across;
+    }
     // The link the run measured (# link measured), which bench/scale_model --validate predicts with.
     if (r.link) {
       json.back()["link_latency_us"] = tk::rounded(r.link->latency * 1e6, 3);
       json.back()["link_GBps"] = tk::rounded(r.link->seconds_per_byte > 0 ? 1e-9 / r.link->seconds_per_byte : 0.0, 6);
+    }
+    if (r.link_across) {
+      json.back()["link_across_latency_us"] = tk::rounded(r.link_across->latency * 1e6, 3);
+      json.back()["link_across_GBps"] =
+          tk::rounded(r.link_across->seconds_per_byte > 0 ? 1e-9 / r.link_across->seconds_per_byte : 0.0, 6);
     }
   }
   tk::write_json(cfg.json, json);

@@ -5,9 +5,9 @@
 // An allreduce's time comes from the library's own cost model: predicted_seconds of topology::Ring,
 // RecursiveDoubling and HalvingDoubling (what topology::Auto chooses with), never a copy of their
 // formulas. What the library does not model is written here, each piece small and with its
-// reasoning: where the ranks sit on machines (several ranks share one machine's network link),
-// topology::Hierarchical's three pipelined phases, a codec's compute on the ring, transport::Tcp's
-// rendezvous, and a traced model's buckets overlapped with its backward pass.
+// reasoning: where the ranks sit on machines (several ranks share one machine's network link), a
+// codec's compute on the ring, transport::Tcp's rendezvous, and a traced model's buckets
+// overlapped with its backward pass. topology::Hierarchical predicts its own phases.
 
 #include <algorithm>
 #include <bit>
@@ -104,28 +104,17 @@ inline double halving_doubling_seconds(const Cluster& c, int ranks, std::size_t 
                               shared(c.link, c.ranks_per_machine));
 }
 
-// topology::Hierarchical as hierarchical.hpp builds it: a ring reduce-scatter within each machine,
-// ranks_per_machine rings across the machines at once (local rank i's ring carries shard i, a
-// 1/ranks_per_machine of the bucket, and all of them share the machine's link), a ring allgather
-// within. The rings within cut every shard into one part per machine (ring_phases.hpp; an empty
-// part sends nothing) and those into pieces, so they are as many rings as there are non-empty
-// parts, one after another, each over its part of the bucket. The phases are pipelined column by
-// column (a column: one piece of the ring across, with its parts within); over c columns a
-// two-stage pipeline takes one column of each stage and c - 1 of the slower one. (The taper of the
-// first and last pieces is left out: it moves the pipeline's ends, not its length.)
+// topology::Hierarchical's own prediction (Hierarchical::predicted) with the schedule across
+// machines it would choose: its phases within a machine over the machine's link, those across over
+// the network link shared by the machine's ranks (local rank i carries shard i across, all of them
+// at once).
 inline double hierarchical_seconds(const Cluster& c, int ranks, std::size_t elements) {
-  const topology::Hierarchical hierarchical{.ranks_per_machine = c.ranks_per_machine};
-  const int machines = hierarchical.machines(Group::world(0, ranks));
-  const topology::Ring ring{.chunk_elements = hierarchical.chunk_elements};
-  const std::size_t shard = ceil_div(elements, c.ranks_per_machine);
-  const int parts = static_cast<int>(std::clamp<std::size_t>(shard, 1, static_cast<std::size_t>(machines)));
-  const double within = parts * ring.predicted_seconds(Group::world(0, c.ranks_per_machine), ceil_div(elements, parts),
-                                                       value_bytes, c.intra);
-  const double across =
-      ring.predicted_seconds(Group::world(0, machines), shard, value_bytes, shared(c.link, c.ranks_per_machine));
-  const std::size_t segment = std::max<std::size_t>(1, ceil_div(shard, machines));  // of the ring across
-  const auto columns = static_cast<double>((segment + ring.chunk_elements - 1) / ring.chunk_elements);
-  return (within + across) / columns + (columns - 1) / columns * std::max(within, across);
+  const topology::Hierarchical hierarchical{.ranks_per_machine = c.ranks_per_machine,
+                                            .link = c.intra,
+                                            .link_across = shared(c.link, c.ranks_per_machine),
+                                            .measure_link = false};
+  const Group group = Group::world(0, ranks);
+  return hierarchical.predicted(group, elements, hierarchical.across_for(group, elements));
 }
 
 // A codec as the model needs it: its wire size for a piece of n f32 values (the codec's own

@@ -5,6 +5,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <map>
@@ -24,6 +25,7 @@
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/topology/auto.hpp"
+#include "gradsync/topology/hierarchical.hpp"
 #include "support.hpp"
 
 using namespace gradsync;
@@ -37,8 +39,14 @@ namespace {
 template <class C>
 class Reference {
  public:
-  Reference(const C& codec, int n)
-      : codec_(codec), n_(n), p_(static_cast<int>(std::bit_floor(static_cast<unsigned>(n)))), folded_(n - p_) {}
+  // `divisor`: what the sum is divided by, n unless the n ranks stand for more (topology::
+  // Hierarchical's machines, each bringing its machine's sum).
+  Reference(const C& codec, int n, int divisor = 0)
+      : codec_(codec),
+        n_(n),
+        p_(static_cast<int>(std::bit_floor(static_cast<unsigned>(n)))),
+        folded_(n - p_),
+        divisor_(divisor > 0 ? divisor : n) {}
 
  protected:
   // decode(encode(from)) into `to`, with the state of encode site `site` of `rank`; the bytes.
@@ -60,12 +68,13 @@ class Reference {
   }
 
   C codec_;
-  int n_, p_, folded_;
+  int n_, p_, folded_, divisor_;
   std::map<std::pair<int, int>, typename C::State> states_;
 };
 
 // recursive_doubling.hpp written out: participants exchange with the partner at distance 2^k, each
-// pair computing decode(encode(lower)) + decode(encode(higher)); the sum is divided by n.
+// pair computing decode(encode(lower)) + decode(encode(higher)); the sum is divided by n (the
+// divisor).
 template <class C>
 class Butterfly : Reference<C> {
   using Base = Reference<C>;
@@ -87,7 +96,7 @@ class Butterfly : Reference<C> {
         low = high = sum;
       }
     for (int v = 0; v < this->p_; ++v)
-      for (float& x : this->of(values, this->rank_of(v))) x /= static_cast<float>(this->n_);
+      for (float& x : this->of(values, this->rank_of(v))) x /= static_cast<float>(this->divisor_);
     this->unfold(values);
     return values;
   }
@@ -146,7 +155,7 @@ class HalvingDoublingReference : Reference<C> {
     for (int s = 0; s < p; ++s) {
       const ElemRange own = topology::Ring::segment(elements, p, s);
       auto& mine = this->of(values, this->rank_of(reversed(s)));
-      for (std::size_t e = own.begin; e < own.end; ++e) result[e] = mine[e] / static_cast<float>(n);
+      for (std::size_t e = own.begin; e < own.end; ++e) result[e] = mine[e] / static_cast<float>(this->divisor_);
       if (!C::identity && !own.empty())
         this->round_trip(this->rank_of(reversed(s)), -1, span_of(result, own), span_of(result, own), DecodeMode::overwrite);
     }
@@ -155,6 +164,31 @@ class HalvingDoublingReference : Reference<C> {
     return values;
   }
 };
+
+// topology::Hierarchical with a log-depth schedule across machines, written out: shard s of L is
+// summed within each machine starting at local rank s and going round (as with the ring across),
+// and the machines' sums of the shard are allreduced by `Written` over the M machines, divided by
+// n = M*L. Every rank's values.
+template <template <class> class Written, class C>
+std::vector<float> hierarchical_reference(const C& codec, int per_machine, const std::vector<std::vector<float>>& inputs) {
+  const int n = static_cast<int>(inputs.size()), machines = n / per_machine;
+  const std::size_t elements = inputs[0].size();
+  std::vector<float> out(elements);
+  for (int s = 0; s < per_machine; ++s) {
+    const ElemRange shard = topology::Ring::segment(elements, per_machine, s);
+    std::vector<std::vector<float>> sums(static_cast<std::size_t>(machines), std::vector<float>(shard.size()));
+    for (int m = 0; m < machines; ++m)
+      for (std::size_t e = shard.begin; e < shard.end; ++e) {
+        const auto x = [&](int local) { return inputs[static_cast<std::size_t>(m * per_machine + local)][e]; };
+        float sum = x(s);
+        for (int k = 1; k < per_machine; ++k) sum = x((s + k) % per_machine) + sum;
+        sums[static_cast<std::size_t>(m)][e - shard.begin] = sum;
+      }
+    const auto averaged = Written<C>(codec, machines, n).allreduce(sums);
+    std::copy(averaged[0].begin(), averaged[0].end(), out.begin() + static_cast<std::ptrdiff_t>(shard.begin));
+  }
+  return out;
+}
 
 // Runs `topology` on in-process ranks, `iterations` times, serially; every rank's values after
 // each iteration.
@@ -283,6 +317,97 @@ TEST_SUITE("log-depth allreduce") {
     const topology::Auto<> no_latency{.link = {.latency = 0, .seconds_per_byte = 1e-9}, .measure_link = false};
     CHECK(no_latency.choose(Group::world(0, 8), 1024) != Choice::small);
     CHECK(chooser.describe() == "auto(recursive-doubling | halving-doubling | ring(chunk=262144), link 50.0 us + 1.250 GB/s)");
+  }
+
+  TEST_CASE_TEMPLATE("Hierarchical across machines by recursive doubling or halving-doubling: every rank the reference's bits",
+                     C, compression::None, compression::Fp16, compression::Bf16) {
+    using Across = topology::Hierarchical::Across;
+    const C codec;
+    // (machines, ranks per machine); 3 and 5 machines fold.
+    for (const auto& [machines, per_machine] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {3, 2}, {4, 2}, {5, 2}, {4, 1}})
+      for (std::size_t elements : {1u, 7u, 1000u})
+        for (std::size_t chunk : {std::size_t{16}, std::size_t{1} << 16})
+          for (Across across : {Across::recursive_doubling, Across::halving_doubling}) {
+            const int n = machines * per_machine;
+            CAPTURE(machines);
+            CAPTURE(per_machine);
+            CAPTURE(elements);
+            CAPTURE(chunk);
+            CAPTURE(std::string(topology::Hierarchical::name(across)));
+            std::vector<std::vector<std::vector<float>>> inputs(1);
+            for (int r = 0; r < n; ++r) inputs[0].push_back(test::random_values(elements, 53u * static_cast<unsigned>(r) + elements));
+            const auto outputs =
+                run(codec, topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk, .across = across},
+                    inputs)[0];
+            const auto expected = across == Across::recursive_doubling
+                                      ? hierarchical_reference<Butterfly>(codec, per_machine, inputs[0])
+                                      : hierarchical_reference<HalvingDoublingReference>(codec, per_machine, inputs[0]);
+            for (int r = 0; r < n; ++r) {
+              CAPTURE(r);
+              REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), expected.data(), elements * sizeof(float)) == 0);
+            }
+          }
+  }
+
+  TEST_CASE("Hierarchical chooses its schedule across machines by its two links, the same for every rank of the group") {
+    using Across = topology::Hierarchical::Across;
+    // 16 machines of 8: fast links within, a machine's 1 Gbit/s shared by its 8 ranks across.
+    topology::Hierarchical h{.ranks_per_machine = 8, .measure_link = false};
+    h.link = {.latency = 20e-6, .seconds_per_byte = 1.0 / 5e9};
+    h.link_across = {.latency = 200e-6, .seconds_per_byte = 8.0 / 125e6};
+    const Group group = Group::world(0, 128);
+    CHECK(h.across_for(group, 1024) == Across::recursive_doubling);       // 4 KiB: latency
+    CHECK(h.across_for(group, std::size_t{1} << 16) == Across::halving_doubling);
+    CHECK(h.across_for(group, std::size_t{1} << 24) == Across::ring);    // 64 MiB: the pipeline hides the phases within
+    // As buckets grow the choice moves only towards the bandwidth end.
+    const auto towards_bandwidth = [](Across a) { return a == Across::recursive_doubling ? 0 : a == Across::halving_doubling ? 1 : 2; };
+    int last = 0;
+    for (std::size_t e = 1; e <= (std::size_t{1} << 26); e *= 2) {
+      const int now = towards_bandwidth(h.across_for(group, e));
+      CHECK(now >= last);
+      last = now;
+    }
+    // The choice is the bucket's, not the rank's: every rank's schedule takes the same one.
+    for (int rank = 0; rank < 128; rank += 9) {
+      const Schedule s = h.schedule(Group::world(rank, 128), 1024, {.identity = true});
+      const std::size_t rounds_across = static_cast<std::size_t>(std::count_if(s.steps.begin(), s.steps.end(), [&](const Step& step) {
+        return step.op == Step::Op::send && step.peer / 8 != rank / 8;
+      }));
+      CHECK(rounds_across == 4);  // log2(16) butterfly rounds, one whole shard each
+    }
+    // A named schedule across stands whatever the links say; one machine has no hops across.
+    h.across = Across::halving_doubling;
+    CHECK(h.across_for(group, 1024) == Across::halving_doubling);
+    CHECK(h.across_for(Group::world(0, 8), 1024) == Across::ring);
+    CHECK(h.describe() == "hierarchical(ranks-per-machine=8, chunk=65536, across=halving-doubling)");
+    h.across = Across::automatic;
+    CHECK(h.describe() ==
+          "hierarchical(ranks-per-machine=8, chunk=65536, across=auto, links 20.0 us + 5.000 GB/s within, 200.0 us + "
+          "0.016 GB/s across)");
+  }
+
+  TEST_CASE("the links of a group of machines are measured level by level, and every rank gets the same figures") {
+    for (const auto& [machines, per_machine] : std::vector<std::pair<int, int>>{{2, 2}, {3, 2}, {1, 3}, {3, 1}}) {
+      const int n = machines * per_machine;
+      CAPTURE(machines);
+      CAPTURE(per_machine);
+      std::vector<engine::MachineLinks> links(static_cast<std::size_t>(n));
+      const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+        const Group group = Group::world(t.rank(), n);
+        engine::ControlChannel<transport::InProcess> control(t, group, 10s);
+        links[static_cast<std::size_t>(t.rank())] = engine::calibrate_machine_links(control, per_machine);
+      });
+      for (const auto& e : errors)
+        if (e) FAIL(std::string(e->what()));
+      for (const auto& l : links) {
+        CHECK(l.within.latency == links[0].within.latency);
+        CHECK(l.within.seconds_per_byte == links[0].within.seconds_per_byte);
+        CHECK(l.across.latency == links[0].across.latency);
+        CHECK(l.across.seconds_per_byte == links[0].across.seconds_per_byte);
+        // A level the group lacks takes the other's figures.
+        if (machines == 1 || per_machine == 1) CHECK(l.within.latency == l.across.latency);
+      }
+    }
   }
 
   TEST_CASE("the link is measured on every rank and every rank gets the same figures") {

@@ -422,6 +422,10 @@ std::pair<std::vector<std::vector<float>>, std::vector<engine::ExchangeStats>> r
 // Shapes (machines, ranks per machine) the hierarchical tests run.
 const std::vector<std::pair<int, int>> machine_shapes{{2, 2}, {2, 3}, {3, 2}, {1, 3}, {3, 1}};
 
+// Hierarchical's schedules across machines, each forced (not left to the links' prediction).
+using Across = topology::Hierarchical::Across;
+const std::vector<Across> every_across{Across::ring, Across::recursive_doubling, Across::halving_doubling};
+
 }  // namespace
 
 TEST_SUITE("topology") {
@@ -470,20 +474,28 @@ TEST_SUITE("topology") {
 
   TEST_CASE("every hierarchical send meets exactly one receive of the same size") {
     for (const auto& shape : std::vector<std::pair<int, int>>{{1, 4}, {4, 1}, {2, 2}, {2, 3}, {3, 2}, {1, 1}})
-      for (std::size_t chunk : {std::size_t{3}, std::size_t{8}, std::size_t{1} << 18}) {
-        const int machines = shape.first, per_machine = shape.second;
-        CAPTURE(machines);
-        check_pairing(topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk},
-                      machines * per_machine);
-      }
+      for (std::size_t chunk : {std::size_t{3}, std::size_t{8}, std::size_t{1} << 18})
+        for (Across across : every_across) {
+          const int machines = shape.first, per_machine = shape.second;
+          CAPTURE(machines);
+          CAPTURE(std::string(topology::Hierarchical::name(across)));
+          check_pairing(topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk, .across = across},
+                        machines * per_machine);
+        }
   }
 
   TEST_CASE("the hierarchical schedule: raw hops within a machine, the codec across, Ring's with one rank per machine") {
-    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 5};
+    for (Across across : every_across)
     for (int rank = 0; rank < 6; ++rank) {
+      CAPTURE(std::string(topology::Hierarchical::name(across)));
       CAPTURE(rank);
+      const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 5, .across = across};
       const Group group = Group::world(rank, 6);
       const Schedule s = two.schedule(group, 100, {.identity = false});
+      // 3 machines fold onto 2 (fold.hpp): the fold-out is the log-depth schedule's last message id.
+      std::uint32_t fold_out = 0;
+      for (const Step& step : s.steps)
+        if (engine::is_transfer(step.op) && step.peer / 2 != rank / 2) fold_out = std::max(fold_out, step.message);
       CHECK(s.contributors == 6);
       REQUIRE(s.slot_raw.size() == s.slot_elements.size());
       for (const Step& step : s.steps) {
@@ -491,7 +503,8 @@ TEST_SUITE("topology") {
         const bool same_machine = step.peer / 2 == rank / 2;
         CHECK(same_machine != (step.peer % 2 == rank % 2));  // a peer on this machine, or this local rank elsewhere
         if (same_machine) CHECK((step.slot == no_slot || s.raw(step.slot)));  // in place, or into a raw slot
-        else CHECK((step.slot != no_slot && !s.raw(step.slot)));              // encoded
+        else if (step.slot != no_slot) CHECK(!s.raw(step.slot));             // encoded
+        else CHECK((across != Across::ring && step.message == fold_out));     // the fold's average coming back (fold.hpp)
       }
     }
     // One rank per machine: the ring, step for step.
@@ -499,7 +512,7 @@ TEST_SUITE("topology") {
       for (bool identity : {true, false})
         for (int rank = 0; rank < n; ++rank) {
           const Group group = Group::world(rank, n);
-          const topology::Hierarchical flat{.ranks_per_machine = 1, .chunk_elements = 3};
+          const topology::Hierarchical flat{.ranks_per_machine = 1, .chunk_elements = 3, .across = Across::ring};
           CHECK(listing(flat.schedule(group, 50, {.identity = identity})) ==
                 listing(topology::Ring{.chunk_elements = 3}.schedule(group, 50, {.identity = identity})));
         }
@@ -509,7 +522,7 @@ TEST_SUITE("topology") {
     // 2 machines of 2, 1000 elements, pieces of at most 50: each rank's shard of 500 is 2 segments
     // across machines of 250, each cut 12, 25, 44 x 4, 25, 12 (the first two and last two pieces
     // tapered), so 8 columns of 2 pieces within the machine.
-    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 50};
+    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 50, .across = Across::ring};
     for (bool identity : {true, false})
       for (int rank = 0; rank < 4; ++rank) {
         CAPTURE(identity);
@@ -602,7 +615,7 @@ TEST_SUITE("topology") {
     // 2 machines of 2: the reduce-scatter within the machine (segments of 500, cut in 2 parts of
     // 250 like the ring across, 3 pieces each) adds on arrival whatever the codec; the ring across
     // machines, compressed, does not.
-    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 100};
+    const topology::Hierarchical two{.ranks_per_machine = 2, .chunk_elements = 100, .across = Across::ring};
     CHECK(Fp16Exchange(two.schedule(group, 1000, {}), {}, DType::f32).receives_that_may_add() == 6);
   }
 
@@ -640,7 +653,8 @@ TEST_SUITE("topology") {
             CAPTURE(receives_at_use);
             std::vector<std::vector<float>> inputs;
             for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(elements, 300u * static_cast<unsigned>(r) + elements));
-            const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk};
+            const topology::Hierarchical hierarchical{
+                .ranks_per_machine = per_machine, .chunk_elements = chunk, .across = Across::ring};
             const auto outputs = run_topology(codec, hierarchical, inputs, 2, receives_at_use).first;
             const auto reference = hierarchical_reference(codec, per_machine, inputs);
             for (int r = 0; r < n; ++r) {
@@ -662,14 +676,16 @@ TEST_SUITE("topology") {
   TEST_CASE("hierarchical with error feedback: the same bits everywhere, compressed across machines only") {
     using C = compression::ErrorFeedback<compression::TwoBit>;
     const C codec{{.threshold = 0.25f}};
-    for (const auto& shape : machine_shapes) {
+    for (const auto& shape : machine_shapes)
+    for (Across across : every_across) {
       const int machines = shape.first, per_machine = shape.second;
       const int n = machines * per_machine;
       CAPTURE(machines);
       CAPTURE(per_machine);
+      CAPTURE(std::string(topology::Hierarchical::name(across)));
       std::vector<std::vector<float>> inputs;
       for (int r = 0; r < n; ++r) inputs.push_back(test::random_values(301, 11u * static_cast<unsigned>(r)));
-      const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = 16};
+      const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = 16, .across = across};
       const auto [outputs, stats] = run_topology(codec, hierarchical, inputs, 3);
       // Receives listed at use (transport::Nccl) change the order of the list, not the bits.
       CHECK(run_topology(codec, hierarchical, inputs, 3, /*receives_at_use=*/true).first == outputs);
@@ -720,10 +736,13 @@ TEST_SUITE("topology") {
           CHECK_MESSAGE(pair_order_broken(ring, n, elements, identity, true).empty(), "ring, receives at use");
           for (int per_machine = 1; per_machine <= n; ++per_machine) {
             if (n % per_machine != 0) continue;
-            const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk};
-            const std::string stuck_h =
-                nccl_deadlock(hierarchical, n, elements, {.identity = identity, .receives_at_use = true});
-            CHECK_MESSAGE(stuck_h.empty(), "hierarchical, " << per_machine << " ranks per machine: " << stuck_h);
+            for (Across across : every_across) {
+              const topology::Hierarchical hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk, .across = across};
+              const std::string stuck_h =
+                  nccl_deadlock(hierarchical, n, elements, {.identity = identity, .receives_at_use = true});
+              CHECK_MESSAGE(stuck_h.empty(), "hierarchical, " << per_machine << " ranks per machine, "
+                                                              << topology::Hierarchical::name(across) << " across: " << stuck_h);
+            }
           }
           // Listed up front (for tagged transports, so that data lands where it goes), every
           // receive of the ring comes before its first send: over NCCL the first wait would flush
@@ -746,15 +765,20 @@ TEST_CASE("the task graph orders every pair of steps that list order relies on")
       check_dependencies(topology::Ring{.chunk_elements = 7}, n);
       check_dependencies(topology::ParameterServer{.partitions = 7, .chunk_elements = 5}, n);
       check_dependencies(topology::ParameterServer{.partitions = 2, .servers = 1}, n);
-      check_dependencies(topology::Hierarchical{.ranks_per_machine = 1, .chunk_elements = 7}, n);
-      check_dependencies(topology::Hierarchical{.ranks_per_machine = n, .chunk_elements = 4}, n);
+      for (Across across : every_across) {
+        check_dependencies(topology::Hierarchical{.ranks_per_machine = 1, .chunk_elements = 7, .across = across}, n);
+        check_dependencies(topology::Hierarchical{.ranks_per_machine = n, .chunk_elements = 4, .across = across}, n);
+      }
       check_dependencies(topology::RecursiveDoubling{}, n);
       check_dependencies(topology::HalvingDoubling{}, n);
       if (n > 1) check_dependencies(topology::ParameterServer{.partitions = 3, .servers = 1, .dedicated = true}, n);
     }
-    check_dependencies(topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 4}, 4);
-    check_dependencies(topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 3}, 6);
-    check_dependencies(topology::Hierarchical{.ranks_per_machine = 3, .chunk_elements = 5}, 6);
+    for (Across across : every_across) {
+      check_dependencies(topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 4, .across = across}, 4);
+      check_dependencies(topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 3, .across = across}, 6);
+      check_dependencies(topology::Hierarchical{.ranks_per_machine = 3, .chunk_elements = 5, .across = across}, 6);
+      check_dependencies(topology::Hierarchical{.ranks_per_machine = 2, .chunk_elements = 4, .across = across}, 10);
+    }
     for (int n : {6, 8}) {
       check_dependencies(topology::RecursiveDoubling{}, n);
       check_dependencies(topology::HalvingDoubling{}, n);
@@ -1106,13 +1130,16 @@ TEST_CASE("topology: Ring and ParameterServer post each pair's messages in one o
             CHECK_MESSAGE(broken.empty(), "halving-doubling: " << broken);
           }
           for (int per_machine = 1; per_machine <= n; ++per_machine)
-            for (bool receives_at_use : {false, true}) {
-              if (n % per_machine != 0) continue;
-              broken = pair_order_broken(topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk},
-                                         n, elements, identity, receives_at_use);
-              CHECK_MESSAGE(broken.empty(), "hierarchical, " << per_machine << " per machine"
-                                                             << (receives_at_use ? ", receives at use: " : ": ") << broken);
-            }
+            for (bool receives_at_use : {false, true})
+              for (Across across : every_across) {
+                if (n % per_machine != 0) continue;
+                broken = pair_order_broken(
+                    topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk, .across = across}, n,
+                    elements, identity, receives_at_use);
+                CHECK_MESSAGE(broken.empty(), "hierarchical, " << per_machine << " per machine, "
+                                                               << topology::Hierarchical::name(across) << " across"
+                                                               << (receives_at_use ? ", receives at use: " : ": ") << broken);
+              }
           for (std::size_t partitions : {0u, 1u, 5u})
             for (std::size_t servers = 0; servers < static_cast<std::size_t>(n); ++servers)
               for (bool dedicated : {false, true}) {

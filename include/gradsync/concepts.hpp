@@ -201,6 +201,17 @@ concept LinkAwareTopology = TopologyPolicy<T> && requires(T t, LinkModel link) {
   { t.measure_link } -> std::convertible_to<bool>;
 };
 
+// MachineLinkTopology: a link-aware topology of whole machines (topology::Hierarchical) that
+// chooses by two links, `link` between ranks of one machine and `link_across` between machines;
+// `ranks_per_machine` and machines(group) say how the group divides. The Synchronizer measures
+// the two apart (engine::calibrate_machine_links).
+template <class T>
+concept MachineLinkTopology = LinkAwareTopology<T> && requires(T t, const Group& group, LinkModel link) {
+  t.link_across = link;
+  { t.ranks_per_machine } -> std::convertible_to<int>;
+  { t.machines(group) } -> std::convertible_to<int>;
+};
+
 // ---------------------------------------------------------------------------------------------
 // TransportPolicy: moves bytes between ranks; full duplex, tagged, non-blocking.
 //

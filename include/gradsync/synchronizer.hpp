@@ -469,13 +469,25 @@ class Synchronizer {
   }
 
   // topology::Auto and its kind choose per bucket by the link's costs: measured here, at the first
-  // synchronization, the same on every rank (engine::calibrate_link), and the buckets' schedules
-  // built again with them. Over a device transport the control messages the probe would time are
-  // not what buckets take, so the topology's own figures stand there.
+  // synchronization, the same on every rank (engine::calibrate_link; per level for a topology of
+  // machines, engine::calibrate_machine_links), and the buckets' schedules built again with them.
+  // Over a device transport the control messages the probe would time are not what buckets take,
+  // so the topology's own figures stand there.
   void measure_link() {
     if constexpr (DeviceTransport<X>) return;
     if (!topology_.measure_link || size() == 1) return;
-    topology_.link = engine::calibrate_link(control_);
+    std::string links;
+    if constexpr (MachineLinkTopology<T>) {
+      topology_.machines(group_);  // a group that is not whole machines is told so before any probe
+      const engine::MachineLinks measured = engine::calibrate_machine_links(control_, topology_.ranks_per_machine);
+      topology_.link = measured.within;
+      topology_.link_across = measured.across;
+      links = fmt::format("links {} within a machine, {} across", describe_link(measured.within),
+                          describe_link(measured.across));
+    } else {
+      topology_.link = engine::calibrate_link(control_);
+      links = fmt::format("link {}", describe_link(topology_.link));
+    }
     std::string choices;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if (buckets_[b].native_allreduce) continue;
@@ -485,11 +497,12 @@ class Synchronizer {
                                topology_.choice(group_, buckets_[b].elements));
     }
     hand_to_engine();
-    if (rank() == 0)
-      log_line(options_.log, fmt::format("gradsync {}: link {:.1f} us + {:.3f} GB/s{}", topology_.describe(),
-                                         topology_.link.latency * 1e6,
-                                         topology_.link.seconds_per_byte > 0 ? 1e-9 / topology_.link.seconds_per_byte : 0.0,
-                                         choices));
+    if (rank() == 0) log_line(options_.log, fmt::format("gradsync {}: {}{}", topology_.describe(), links, choices));
+  }
+
+  static std::string describe_link(const LinkModel& link) {
+    return fmt::format("{:.1f} us + {:.3f} GB/s", link.latency * 1e6,
+                       link.seconds_per_byte > 0 ? 1e-9 / link.seconds_per_byte : 0.0);
   }
 
   void communicate() {

@@ -3,6 +3,7 @@
 # 1 MiB by topology (all TCP: --local-transport tcp), beside Open MPI's MPI_Allreduce at the same
 # sizes, tuned and HAN (shared memory within a host, TCP across), in one run.
 # Usage: hosts.sh OUT_DIR [ITERS] [TOPOLOGIES...]   (root; from the repository root, after a build in build/)
+# A topology may carry bench/allreduce options after commas: hierarchical,--across,ring.
 set -u
 out=$1 iters=${2:-10}
 shift $(( $# >= 2 ? 2 : 1 ))
@@ -14,11 +15,13 @@ export GRADSYNC_TOKEN=$(head -c 16 /dev/urandom | xxd -p) GRADSYNC_TCP_CONGESTIO
 NC=/work/shared/tools/netcluster
 OMPI=/work/shared/tools/openmpi
 $NC up 16 1gbit >/dev/null
-for topology in "${topologies[@]}"; do
-  echo "== gradsync $topology, serial executor, 16 hosts x 8 ranks"
-  RANKS_PER_HOST=8 $NC run 16 build/bench/allreduce --transport tcp --local-transport tcp --topology "$topology" \
+for spec in "${topologies[@]}"; do
+  IFS=, read -r -a words <<< "$spec"
+  name=${spec//,--/-}; name=${name//,/-}  # hierarchical-across-ring
+  echo "== gradsync ${words[*]}, serial executor, 16 hosts x 8 ranks"
+  RANKS_PER_HOST=8 $NC run 16 build/bench/allreduce --transport tcp --local-transport tcp --topology "${words[@]}" \
     --executor serial --min-bytes 4K --max-bytes 1M --step-factor 16 --iters "$iters" --warmup 2 \
-    --json "$out/gradsync-$topology-16x8.json" 2>&1 | grep -E "^\[0\] ( |# link|# ranks)"
+    --json "$out/gradsync-$name-16x8.json" 2>&1 | grep -E "^\[0\] ( |# link|# ranks)"
 done
 exe=/tmp/openmpi-allreduce-small
 [ "$exe" -nt "$OMPI/allreduce_small.c" ] || mpicc -O2 "$OMPI/allreduce_small.c" -o "$exe"

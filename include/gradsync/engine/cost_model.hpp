@@ -127,19 +127,29 @@ Decision decide(const CostModel& model, const PipelineShape& shape, std::size_t 
   return best;
 }
 
-// Times a transfer to the right neighbour of the ring (receiving from the left) at three sizes,
-// five times each (the median counts), probe k as control message `probes` + k, and fits
-// a + b * bytes: this rank's figures, not yet agreed.
+// Who a rank times its transfers with: it sends to group rank `to` while receiving as much from
+// group rank `from`; `series` keeps the tags of two series at one rank apart.
+struct ProbePartners {
+  int to = 0, from = 0;
+  std::uint32_t series = 0;
+
+  // The ring's neighbours in the group: right, and left.
+  static ProbePartners ring(const Group& group) {
+    return {.to = (group.rank + 1) % group.size(), .from = (group.rank + group.size() - 1) % group.size()};
+  }
+};
+
+// Times a transfer between `partners` at three sizes, five times each (the median counts), probe
+// k as control message `probes` + k, and fits a + b * bytes: this rank's figures, not yet agreed.
+// Every rank of the group probes at once, so a link that several of them share is timed shared.
 template <TransportPolicy X>
-Linear measure_transfer(ControlChannel<X>& control, ControlMessage probes) {
+Linear measure_transfer(ControlChannel<X>& control, ControlMessage probes, ProbePartners partners) {
   using Clock = std::chrono::steady_clock;
-  const Group& group = control.group();
-  const int left = (group.rank + group.size() - 1) % group.size(), right = (group.rank + 1) % group.size();
   std::uint32_t probe = 0;
   std::vector<std::pair<double, double>> points;
   for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 21})
     points.emplace_back(static_cast<double>(bytes), median_of_five<Clock>([&] {
-      control.probe(right, left, control_tag(0, probes, probe++), bytes);
+      control.probe(partners.to, partners.from, control_tag(partners.series, probes, probe++), bytes);
     }));
   return fit(points);
 }
@@ -191,7 +201,7 @@ CostModel calibrate(const C& codec, ControlChannel<X>& control) {
     }));
   }
   const Linear fitted[3] = {fit(encode_points), fit(decode_points),
-                            measure_transfer(control, ControlMessage::calibration_probe)};
+                            measure_transfer(control, ControlMessage::calibration_probe, ProbePartners::ring(control.group()))};
   std::array<double, 6> agreed{};
   for (int i = 0; i < 3; ++i) agreed[2 * i] = fitted[i].fixed, agreed[2 * i + 1] = fitted[i].per_byte;
   agreed = agree_on_slowest(control, ControlMessage::calibration, agreed, "calibration");
@@ -203,10 +213,44 @@ CostModel calibrate(const C& codec, ControlChannel<X>& control) {
 // first synchronization: about 15 transfers to the ring neighbour, the largest 2 MiB.
 template <TransportPolicy X>
 LinkModel calibrate_link(ControlChannel<X>& control) {
-  const Linear measured = measure_transfer(control, ControlMessage::link_probe);
+  const Linear measured = measure_transfer(control, ControlMessage::link_probe, ProbePartners::ring(control.group()));
   const auto agreed = agree_on_slowest(control, ControlMessage::link, std::array<double, 2>{measured.fixed, measured.per_byte},
                                        "link calibration");
   return {.latency = agreed[0], .seconds_per_byte = agreed[1]};
+}
+
+// The two links of a group of whole machines (topology::Hierarchical): between ranks of one
+// machine, and between machines.
+struct MachineLinks {
+  LinkModel within, across;
+};
+
+// calibrate_link per level, for a group numbered machine-major in machines of `ranks_per_machine`
+// (a whole number of them: the topology has checked): each rank times a transfer to the next rank
+// of its machine, then to the rank of its local rank on the next machine, every rank at once, so
+// the across figures are those of a machine's link shared by all its ranks. A level the group
+// lacks (one machine, or one rank a machine) is not probed and takes the other's figures. The
+// slowest rank's figures of each level, the same on every rank.
+template <TransportPolicy X>
+MachineLinks calibrate_machine_links(ControlChannel<X>& control, int ranks_per_machine) {
+  const Group& group = control.group();
+  const int local_count = ranks_per_machine, machine_count = group.size() / ranks_per_machine;
+  const int machine = group.rank / local_count, local = group.rank % local_count;
+  const auto at = [&](int m, int l) { return ((m + machine_count) % machine_count) * local_count + (l + local_count) % local_count; };
+  Linear within{}, across{};
+  if (local_count > 1)
+    within = measure_transfer(control, ControlMessage::link_probe,
+                              {.to = at(machine, local + 1), .from = at(machine, local - 1), .series = 0});
+  if (machine_count > 1)
+    across = measure_transfer(control, ControlMessage::link_probe,
+                              {.to = at(machine + 1, local), .from = at(machine - 1, local), .series = 1});
+  if (local_count == 1) within = across;
+  if (machine_count == 1) across = within;
+  const auto agreed = agree_on_slowest(control, ControlMessage::link,
+                                       std::array<double, 4>{within.fixed, within.per_byte, across.fixed, across.per_byte},
+                                       "link calibration");
+  return {.within = {.latency = agreed[0], .seconds_per_byte = agreed[1]},
+          .across = {.latency = agreed[2], .seconds_per_byte = agreed[3]}};
 }
 
 // A bucket's schedule as selective compression chooses it: compressed or not, its segments cut
