@@ -4,6 +4,7 @@
 # sizes, tuned and HAN (shared memory within a host, TCP across), in one run.
 # Usage: hosts.sh OUT_DIR [ITERS] [TOPOLOGIES...]   (root; from the repository root, after a build in build/)
 # A topology may carry bench/allreduce options after commas: hierarchical,--across,ring.
+# MAX_BYTES (default 1M) raises the largest size; OPENMPI=no leaves Open MPI out (it stops at 1 MiB).
 set -u
 out=$1 iters=${2:-10}
 shift $(( $# >= 2 ? 2 : 1 ))
@@ -20,9 +21,10 @@ for spec in "${topologies[@]}"; do
   name=${spec//,--/-}; name=${name//,/-}  # hierarchical-across-ring
   echo "== gradsync ${words[*]}, serial executor, 16 hosts x 8 ranks"
   RANKS_PER_HOST=8 $NC run 16 build/bench/allreduce --transport tcp --local-transport tcp --topology "${words[@]}" \
-    --executor serial --min-bytes 4K --max-bytes 1M --step-factor 16 --iters "$iters" --warmup 2 \
+    --executor serial --min-bytes 4K --max-bytes "${MAX_BYTES:-1M}" --step-factor 16 --iters "$iters" --warmup 2 \
     --json "$out/gradsync-$name-16x8.json" 2>&1 | grep -E "^\[0\] ( |# link|# ranks)"
 done
+[[ ${OPENMPI:-yes} == no ]] && exit 0
 exe=/tmp/openmpi-allreduce-small
 [ "$exe" -nt "$OMPI/allreduce_small.c" ] || mpicc -O2 "$OMPI/allreduce_small.c" -o "$exe"
 hosts=$(for ((i = 0; i < 16; i++)); do printf 'gs%d:8,' "$i"; done)

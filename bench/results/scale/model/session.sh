@@ -13,6 +13,9 @@
 # validation-hosts-16x8-hd-order set beside ../hd-order/'s runs of that order; hosts-16x8/'s runs
 # (partners far-first) and validation-hosts-16x8.txt, made with the model of their day, stand as
 # they were (a run of the line below would now predict them with the near-first order).
+# Later on 2026-11-28 Hierarchical chose its schedule across machines per bucket and the model took
+# Hierarchical's own prediction: the two projections were made again then (their first two lines
+# below); the validations stand as they were made.
 # Usage: bench/results/scale/model/session.sh   (from the repository root, after a build in build/)
 set -eu
 out=bench/results/scale/model
