@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -208,12 +209,45 @@ CostModel calibrate(const C& codec, ControlChannel<X>& control) {
   return {{agreed[0], agreed[1]}, {agreed[2], agreed[3]}, {agreed[4], agreed[5]}};
 }
 
-// The link between this group's ranks, as topology::Auto predicts with it (LinkModel): a
-// transfer measured (measure_transfer) and agreed on the slowest rank's figures. Once, at the
-// first synchronization: about 15 transfers to the ring neighbour, the largest 2 MiB.
+// One round of the butterfly (recursive doubling's exchange pattern: participant v swaps `bytes`
+// with v ^ 2^k), timed as a schedule runs its rounds, back to back, all ranks at once: seconds a
+// round, the median of five runs of every round. The first p = 2^floor(log2 n) ranks take part,
+// the rest wait (their time is the others'). Run `run` of the series takes tags sequence
+// `first_run` + run, id link_probe + round.
+template <TransportPolicy X>
+double time_butterfly_round(ControlChannel<X>& control, std::size_t bytes, std::uint32_t first_run) {
+  using Clock = std::chrono::steady_clock;
+  const Group& group = control.group();
+  const int participants = static_cast<int>(std::bit_floor(static_cast<unsigned>(group.size())));
+  const int rounds = std::countr_zero(static_cast<unsigned>(participants));
+  if (rounds == 0 || group.rank >= participants) return 0;
+  std::uint32_t run = 0;
+  return median_of_five<Clock>([&] {
+    for (int k = 0; k < rounds; ++k) {
+      const int partner = group.rank ^ (1 << k);
+      control.probe(partner, partner, control_tag(first_run + run, ControlMessage::link_probe, static_cast<std::uint32_t>(k)), bytes);
+    }
+    ++run;
+  }) / rounds;
+}
+
+// The link between this group's ranks, as topology::Auto predicts with it (LinkModel): what a
+// round of the butterfly costs (time_butterfly_round) at 4 KiB, 64 KiB and 1 MiB, fitted to
+// latency + bytes / bandwidth, and agreed on the slowest rank's figures. Once, at the first
+// synchronization: 15 runs of log2(n) rounds. The rounds are timed as a schedule meets them, one
+// after another with every rank busy, not one exchange at a time: on a machine whose ranks wait
+// for cores, an isolated exchange with the ring neighbour measured 7x the latency a round of a
+// schedule paid (bench/README.md, "many ranks"), and Auto took recursive doubling where
+// halving-doubling was twice as fast.
 template <TransportPolicy X>
 LinkModel calibrate_link(ControlChannel<X>& control) {
-  const Linear measured = measure_transfer(control, ControlMessage::link_probe, ProbePartners::ring(control.group()));
+  std::vector<std::pair<double, double>> points;
+  std::uint32_t first_run = 0;
+  for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 20}) {
+    points.emplace_back(static_cast<double>(bytes), time_butterfly_round(control, bytes, first_run));
+    first_run += 5;
+  }
+  const Linear measured = fit(points);
   const auto agreed = agree_on_slowest(control, ControlMessage::link, std::array<double, 2>{measured.fixed, measured.per_byte},
                                        "link calibration");
   return {.latency = agreed[0], .seconds_per_byte = agreed[1]};

@@ -12,8 +12,8 @@
 // whole buckets hand large ones to the ring. Buckets are measured in f32 values (schedule() is not
 // told the dtype; an f64 bucket is predicted at half its bytes).
 //
-// The link. A Synchronizer measures it at the first synchronization (engine::calibrate_link: a
-// message to the ring neighbour at three sizes, fitted to latency + bytes / bandwidth) and every
+// The link. A Synchronizer measures it at the first synchronization (engine::calibrate_link: the
+// butterfly's rounds at three sizes, fitted to latency + bytes / bandwidth) and every
 // rank takes the slowest rank's figures from rank 0, so all ranks choose alike: which topology a
 // bucket takes changes which messages its ranks exchange, so a rank choosing otherwise would wait
 // for messages that never come. With `measure_link = false` the `link` given stands, and describe()
