@@ -128,29 +128,19 @@ Decision decide(const CostModel& model, const PipelineShape& shape, std::size_t 
   return best;
 }
 
-// Who a rank times its transfers with: it sends to group rank `to` while receiving as much from
-// group rank `from`; `series` keeps the tags of two series at one rank apart.
-struct ProbePartners {
-  int to = 0, from = 0;
-  std::uint32_t series = 0;
-
-  // The ring's neighbours in the group: right, and left.
-  static ProbePartners ring(const Group& group) {
-    return {.to = (group.rank + 1) % group.size(), .from = (group.rank + group.size() - 1) % group.size()};
-  }
-};
-
-// Times a transfer between `partners` at three sizes, five times each (the median counts), probe
-// k as control message `probes` + k, and fits a + b * bytes: this rank's figures, not yet agreed.
-// Every rank of the group probes at once, so a link that several of them share is timed shared.
+// Times a transfer to the right neighbour of the ring (receiving from the left) at three sizes,
+// five times each (the median counts), probe k as control message `probes` + k, and fits
+// a + b * bytes: this rank's figures, not yet agreed.
 template <TransportPolicy X>
-Linear measure_transfer(ControlChannel<X>& control, ControlMessage probes, ProbePartners partners) {
+Linear measure_transfer(ControlChannel<X>& control, ControlMessage probes) {
   using Clock = std::chrono::steady_clock;
+  const Group& group = control.group();
+  const int left = (group.rank + group.size() - 1) % group.size(), right = (group.rank + 1) % group.size();
   std::uint32_t probe = 0;
   std::vector<std::pair<double, double>> points;
   for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 21})
     points.emplace_back(static_cast<double>(bytes), median_of_five<Clock>([&] {
-      control.probe(partners.to, partners.from, control_tag(partners.series, probes, probe++), bytes);
+      control.probe(right, left, control_tag(0, probes, probe++), bytes);
     }));
   return fit(points);
 }
@@ -202,52 +192,74 @@ CostModel calibrate(const C& codec, ControlChannel<X>& control) {
     }));
   }
   const Linear fitted[3] = {fit(encode_points), fit(decode_points),
-                            measure_transfer(control, ControlMessage::calibration_probe, ProbePartners::ring(control.group()))};
+                            measure_transfer(control, ControlMessage::calibration_probe)};
   std::array<double, 6> agreed{};
   for (int i = 0; i < 3; ++i) agreed[2 * i] = fitted[i].fixed, agreed[2 * i + 1] = fitted[i].per_byte;
   agreed = agree_on_slowest(control, ControlMessage::calibration, agreed, "calibration");
   return {{agreed[0], agreed[1]}, {agreed[2], agreed[3]}, {agreed[4], agreed[5]}};
 }
 
-// One round of the butterfly (recursive doubling's exchange pattern: participant v swaps `bytes`
-// with v ^ 2^k), timed as a schedule runs its rounds, back to back, all ranks at once: seconds a
-// round, the median of five runs of every round. The first p = 2^floor(log2 n) ranks take part,
-// the rest wait (their time is the others'). Run `run` of the series takes tags sequence
-// `first_run` + run, id link_probe + round.
-template <TransportPolicy X>
-double time_butterfly_round(ControlChannel<X>& control, std::size_t bytes, std::uint32_t first_run) {
+// Who a rank exchanges with in one round of a timed series: it sends to group rank `to` while
+// receiving as much from group rank `from`; a rank with no part in the round has none.
+struct RoundPartners {
+  int to = -1, from = -1;
+  bool none() const noexcept { return to < 0; }
+};
+
+// `rounds` rounds of exchanges of `bytes`, round k with partners(k), timed as a schedule meets its
+// rounds: one after another, every rank at once, so that each rank's time holds the waits for the
+// others a schedule also holds. Seconds a round, the median of five runs; 0 for a rank with no
+// part. Run r of the series takes tags sequence `first_run` + r, id link_probe + round.
+template <TransportPolicy X, class Partners>
+double time_rounds(ControlChannel<X>& control, std::size_t bytes, int rounds, std::uint32_t first_run, Partners&& partners) {
   using Clock = std::chrono::steady_clock;
-  const Group& group = control.group();
-  const int participants = static_cast<int>(std::bit_floor(static_cast<unsigned>(group.size())));
-  const int rounds = std::countr_zero(static_cast<unsigned>(participants));
-  if (rounds == 0 || group.rank >= participants) return 0;
+  if (rounds == 0 || partners(0).none()) return 0;
   std::uint32_t run = 0;
   return median_of_five<Clock>([&] {
     for (int k = 0; k < rounds; ++k) {
-      const int partner = group.rank ^ (1 << k);
-      control.probe(partner, partner, control_tag(first_run + run, ControlMessage::link_probe, static_cast<std::uint32_t>(k)), bytes);
+      const RoundPartners p = partners(k);
+      control.probe(p.to, p.from, control_tag(first_run + run, ControlMessage::link_probe, static_cast<std::uint32_t>(k)), bytes);
     }
     ++run;
   }) / rounds;
 }
 
-// The link between this group's ranks, as topology::Auto predicts with it (LinkModel): what a
-// round of the butterfly costs (time_butterfly_round) at 4 KiB, 64 KiB and 1 MiB, fitted to
-// latency + bytes / bandwidth, and agreed on the slowest rank's figures. Once, at the first
-// synchronization: 15 runs of log2(n) rounds. The rounds are timed as a schedule meets them, one
-// after another with every rank busy, not one exchange at a time: on a machine whose ranks wait
-// for cores, an isolated exchange with the ring neighbour measured 7x the latency a round of a
-// schedule paid (bench/README.md, "many ranks"), and Auto took recursive doubling where
-// halving-doubling was twice as fast.
-template <TransportPolicy X>
-LinkModel calibrate_link(ControlChannel<X>& control) {
+// A link fitted to `rounds` rounds with `partners` timed at 4 KiB, 64 KiB and 1 MiB: this rank's
+// figures, not yet agreed. Its runs take tag sequences `first_run` .. `first_run` + 14.
+template <TransportPolicy X, class Partners>
+Linear fit_rounds(ControlChannel<X>& control, int rounds, std::uint32_t first_run, Partners&& partners) {
   std::vector<std::pair<double, double>> points;
-  std::uint32_t first_run = 0;
   for (std::size_t bytes : {std::size_t{1} << 12, std::size_t{1} << 16, std::size_t{1} << 20}) {
-    points.emplace_back(static_cast<double>(bytes), time_butterfly_round(control, bytes, first_run));
+    points.emplace_back(static_cast<double>(bytes), time_rounds(control, bytes, rounds, first_run, partners));
     first_run += 5;
   }
-  const Linear measured = fit(points);
+  return fit(points);
+}
+
+// The butterfly's rounds (recursive doubling's partners: v ^ 2^k) over `count` participants
+// numbered by `index(v)`, this rank being participant `v`; the first 2^floor(log2 count) take part.
+inline int butterfly_rounds(int count) { return std::countr_zero(std::bit_floor(static_cast<unsigned>(count))); }
+template <class Index>
+auto butterfly(int count, int v, Index index) {
+  const int participants = static_cast<int>(std::bit_floor(static_cast<unsigned>(count)));
+  return [=](int k) {
+    if (v >= participants) return RoundPartners{};
+    const int partner = index(v ^ (1 << k));
+    return RoundPartners{partner, partner};
+  };
+}
+
+// The link between this group's ranks, as topology::Auto predicts with it (LinkModel): a round of
+// the butterfly timed (time_rounds) and agreed on the slowest rank's figures. Once, at the first
+// synchronization: 15 runs of log2(n) rounds. Rounds, not one exchange at a time: on a machine
+// whose ranks wait for cores, a single exchange with the ring neighbour measured 5-7x the latency
+// a round of a schedule paid (bench/README.md, "many ranks"), and Auto took recursive doubling
+// where halving-doubling was twice as fast.
+template <TransportPolicy X>
+LinkModel calibrate_link(ControlChannel<X>& control) {
+  const Group& group = control.group();
+  const Linear measured =
+      fit_rounds(control, butterfly_rounds(group.size()), 0, butterfly(group.size(), group.rank, [](int v) { return v; }));
   const auto agreed = agree_on_slowest(control, ControlMessage::link, std::array<double, 2>{measured.fixed, measured.per_byte},
                                        "link calibration");
   return {.latency = agreed[0], .seconds_per_byte = agreed[1]};
@@ -260,24 +272,24 @@ struct MachineLinks {
 };
 
 // calibrate_link per level, for a group numbered machine-major in machines of `ranks_per_machine`
-// (a whole number of them: the topology has checked): each rank times a transfer to the next rank
-// of its machine, then to the rank of its local rank on the next machine, every rank at once, so
-// the across figures are those of a machine's link shared by all its ranks. A level the group
-// lacks (one machine, or one rank a machine) is not probed and takes the other's figures. The
-// slowest rank's figures of each level, the same on every rank.
+// (a whole number of them: the topology has checked), each level timed as its schedules run:
+// within a machine the ring's hops (L - 1 of them, to the next local rank while receiving from
+// the one before), across machines the butterfly's rounds among the ranks of one local rank, every
+// rank at once, so that the figures across are those of a machine's link shared by its L ranks.
+// A level the group lacks (one machine, or one rank a machine) is not timed and takes the other's
+// figures. The slowest rank's figures of each level, the same on every rank.
 template <TransportPolicy X>
 MachineLinks calibrate_machine_links(ControlChannel<X>& control, int ranks_per_machine) {
   const Group& group = control.group();
   const int local_count = ranks_per_machine, machine_count = group.size() / ranks_per_machine;
   const int machine = group.rank / local_count, local = group.rank % local_count;
-  const auto at = [&](int m, int l) { return ((m + machine_count) % machine_count) * local_count + (l + local_count) % local_count; };
+  const auto at = [=](int m, int l) { return m * local_count + (l + local_count) % local_count; };
   Linear within{}, across{};
   if (local_count > 1)
-    within = measure_transfer(control, ControlMessage::link_probe,
-                              {.to = at(machine, local + 1), .from = at(machine, local - 1), .series = 0});
+    within = fit_rounds(control, local_count - 1, 0, [&](int) { return RoundPartners{at(machine, local + 1), at(machine, local - 1)}; });
   if (machine_count > 1)
-    across = measure_transfer(control, ControlMessage::link_probe,
-                              {.to = at(machine + 1, local), .from = at(machine - 1, local), .series = 1});
+    across = fit_rounds(control, butterfly_rounds(machine_count), 15,
+                        butterfly(machine_count, machine, [&](int m) { return at(m, local); }));
   if (local_count == 1) within = across;
   if (machine_count == 1) across = within;
   const auto agreed = agree_on_slowest(control, ControlMessage::link,

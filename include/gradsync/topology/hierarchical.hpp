@@ -32,9 +32,10 @@
 // (the default): each bucket takes the one predicted fastest over two links, `link` between ranks
 // of a machine and `link_across` between machines (LinkModel, schedule.hpp), the smaller kind on a
 // tie; the prediction is predicted(). As topology::Auto's link, the Synchronizer measures both at
-// the first synchronization (engine::calibrate_machine_links: every rank times its machine
-// neighbour, then its counterpart on the next machine, all at once, so a machine's link is timed
-// shared by its L ranks), the slowest rank's figures, the same on every rank; the choice is made
+// the first synchronization (engine::calibrate_machine_links: the ring's hops within a machine,
+// then the butterfly's rounds among the counterparts, timed as schedules run them and every rank
+// at once, so a machine's link is timed shared by its L ranks), the slowest rank's figures, the
+// same on every rank; the choice is made
 // for the bucket as a whole (its largest shard), so every rank of every machine chooses alike.
 //
 // Pipelining, with the ring across. The three phases run piece by piece, not one after the other:
@@ -174,7 +175,8 @@ struct Hierarchical {
     }
     const std::size_t segment_elements = segment(shard, machine_count, 0).size();
     if (segment_elements == 0) return 0;
-    const double columns = static_cast<double>((segment_elements + chunk_elements - 1) / std::max<std::size_t>(1, chunk_elements));
+    const std::size_t chunk = std::max<std::size_t>(1, chunk_elements);
+    const double columns = static_cast<double>((segment_elements + chunk - 1) / chunk);
     const double column_within =
         (local_count - 1) * (machine_count * link.latency + static_cast<double>(shard) / columns * value * link.seconds_per_byte);
     const double column_across =
