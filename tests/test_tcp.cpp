@@ -836,6 +836,69 @@ TEST_SUITE("tcp") {
     }
   }
 
+  TEST_CASE("threads waiting on one peer at once each get their own frame, whoever reads the socket") {
+    // Rank 0 sends rounds of 5 messages (empty, small, a lane's worth, 64 KiB, 3 MiB) over 2 data
+    // sockets and an express lane. Rank 1 waits for them from 5 threads at once, its receives
+    // posted in reverse order and one of them late, so that its frame parks: a caller reading a
+    // socket meets frames of the other threads' receives, binds or parks them and hands the socket
+    // back, and the io thread reads payloads a caller left.
+    constexpr std::array<std::size_t, 5> sizes{0, 100, 4096, 64 << 10, 3 << 20};
+    constexpr int rounds = 12;
+    const auto fill = [](int round, std::size_t m, std::size_t i) {
+      return static_cast<std::byte>((static_cast<std::size_t>(round) * 31 + m * 7 + i * 13) & 0xff);
+    };
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(2, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, 2, port);
+      o.connections_per_peer = 2;
+      o.express_lane_bytes = 4096;
+      Tcp t(o);
+      const auto deadline = [] { return std::chrono::steady_clock::now() + 30s; };
+      std::array<std::vector<std::byte>, sizes.size()> buffers;
+      std::array<Tcp::Request, sizes.size()> requests;
+      for (int round = 0; round < rounds; ++round) {
+        if (rank == 0) {
+          for (std::size_t m = 0; m < sizes.size(); ++m) {
+            buffers[m].resize(sizes[m]);
+            for (std::size_t i = 0; i < sizes[m]; ++i) buffers[m][i] = fill(round, m, i);
+            t.send(requests[m], 1, m, buffers[m]);
+          }
+          for (auto& r : requests) t.wait(r, deadline());
+          t.recv(requests[0], 1, 99, {});  // rank 1 is through the round
+          t.wait(requests[0], deadline());
+          continue;
+        }
+        std::atomic<int> wrong{0};
+        std::vector<std::thread> waiters;
+        for (std::size_t m = sizes.size(); m-- > 0;) {
+          buffers[m].assign(sizes[m], std::byte{0});
+          if (m != 2) t.recv(requests[m], 0, m, buffers[m]);
+          waiters.emplace_back([&, m] {
+            if (m == 2) {
+              std::this_thread::sleep_for(20ms);  // its frame has come and parked meanwhile
+              t.recv(requests[m], 0, m, buffers[m]);
+            }
+            if (t.wait(requests[m], deadline()) != sizes[m]) ++wrong;
+            for (std::size_t i = 0; i < sizes[m]; ++i)
+              if (buffers[m][i] != fill(round, m, i)) {
+                ++wrong;
+                break;
+              }
+          });
+        }
+        for (auto& w : waiters) w.join();
+        if (wrong > 0) return fmt::format("round {}: {} messages wrong", round, wrong.load());
+        t.send(requests[0], 0, 99, {});
+        t.wait(requests[0], deadline());
+      }
+      return "ok";
+    });
+    for (const auto& result : results) {
+      CAPTURE(result.report);
+      CHECK(result.ok());
+    }
+  }
+
   TEST_CASE("a rank sends to itself, and a world of one needs no network") {
     Tcp alone(options(0, 1, test::free_port()));
     std::array<std::byte, 4> out{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}}, in{};
