@@ -10,6 +10,8 @@
 # repository root, after a build in build/). TOPOLOGY (default auto) is what runs before and
 # after; REFERENCES (default halving-doubling recursive-doubling) run once each after, a
 # topology with bench/allreduce options after commas (hosts.sh's form: hierarchical,--across,ring).
+# AFTER (default "rounds") names the runs of build/: TOPOLOGY-AFTER-R. Each run's whole output is
+# kept beside its JSON (NAME.log).
 set -u
 out=$1 before=$2 rounds=${3:-2} iters=${4:-10} topology=${5:-auto}
 shift $(( $# >= 5 ? 5 : $# ))
@@ -27,11 +29,11 @@ run() {  # run NAME BINARY TOPOLOGY[,OPTIONS]
   echo "== $1"
   RANKS_PER_HOST=8 $NC run 16 "$2" --transport tcp --local-transport tcp --topology "${words[@]}" --executor serial \
     --min-bytes 4K --max-bytes 4M --step-factor 4 --iters "$iters" --warmup 2 --json "$out/$1.json" 2>&1 |
-    grep -E "^\[0\] ( |# link)"
+    tee "$out/$1.log" | grep -E "^\[0\] ( |# link)"
 }
 for ((round = 1; round <= rounds; ++round)); do
   run "$topology-before-$round" "$before" "$topology"
-  run "$topology-rounds-$round" build/bench/allreduce "$topology"
+  run "$topology-${AFTER:-rounds}-$round" build/bench/allreduce "$topology"
 done
 for reference in "${references[@]}"; do
   name=${reference//,--/-}

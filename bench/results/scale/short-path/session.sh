@@ -6,6 +6,7 @@
 # without the short path, put first by LD_LIBRARY_PATH (the binary's RUNPATH comes after it).
 # Run on 2026-11-28 with build/ at 9ca58ac plus short-path.patch (beside this script), BEFORE built
 # from 9ca58ac; the short path was not kept (bench/README.md, "many ranks").
+# Each run's whole output is kept beside its JSON (NAME.log).
 # Usage: session.sh OUT BEFORE_LIB_DIR [ROUNDS] [ITERS] [N]   (from the repository root, after a build in build/)
 set -u
 out=$1 before=$2 rounds=${3:-2} iters=${4:-10} n=${5:-64}
@@ -15,7 +16,7 @@ run() {  # run NAME [LD_LIBRARY_PATH]
   echo "== $1, $n ranks"
   LD_LIBRARY_PATH=${2:-} tools/gradsync-run -n "$n" build/bench/allreduce --transport tcp --local-transport tcp \
     --topology auto --executor serial --min-bytes 4K --max-bytes 1M --step-factor 16 --iters "$iters" --warmup 2 \
-    --json "$out/$1.json" 2>&1 | grep -E "^\[0\] ( |# link)"
+    --json "$out/$1.json" 2>&1 | tee "$out/$1.log" | grep -E "^\[0\] ( |# link)"
 }
 for ((round = 1; round <= rounds; ++round)); do
   run "before-$round-$n" "$before"
