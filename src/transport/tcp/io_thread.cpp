@@ -347,10 +347,12 @@ void TcpEngine::begin_abort() {
       for (auto& c : p.connections) {
         if (c->fd < 0 || c->close_when_released) continue;
         ++notices_due_;
-        if (c->outgoing != Connection::Outgoing::none)
+        if (c->outgoing != Connection::Outgoing::none) {
           c->notice_after_frame = true;
-        else
+        } else {
+          c->writing = true;  // nothing else goes on it now
           between_frames.push_back(c.get());
+        }
       }
       fail_pending(p, aborted_->filled(where(static_cast<int>(peer), "abort")));
     }
@@ -361,10 +363,7 @@ void TcpEngine::begin_abort() {
   abort_deadline_->async_wait([this](const error_code& ec) {
     if (!ec) finish_abort();
   });
-  for (Connection* c : between_frames) {
-    c->writing = true;  // nothing else goes on it now
-    write_abort_notice(*c);
-  }
+  for (Connection* c : between_frames) write_abort_notice(*c);
 }
 
 void TcpEngine::abort_notice_done() {
@@ -432,10 +431,10 @@ void TcpEngine::close_sockets(Peer& p) {
 // never asked for, heartbeats behind it) makes the kernel reset the connection and drop what it had
 // not sent yet, an abort notice or the last message to a peer still reading.
 void TcpEngine::close_all() {
-  closed_ = true;
   connector_->close();
   if (liveness_timer_) liveness_timer_->cancel();
   std::lock_guard lock(mutex_);
+  closed_ = true;
   for (auto& p : peers_)
     for (auto& c : p.connections)
       if (c->fd >= 0 && c->reader == Connection::Reader::io) drop_unread(c->fd);
