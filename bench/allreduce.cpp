@@ -105,8 +105,6 @@ constexpr bool elementwise<compression::RandomK> = false;
 template <class C>
 constexpr bool elementwise<compression::ErrorFeedback<C>> = elementwise<C>;
 
-double bus_factor(int n) { return n > 1 ? 2.0 * (n - 1) / n : 1.0; }
-
 double memcpy_us(std::size_t bytes, int iters) {
   std::vector<std::byte> from(bytes, std::byte{1}), to(bytes);
   std::vector<double> times;
@@ -566,7 +564,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   for (const Row& row : rows) {
     const double algbw = static_cast<double>(row.bytes) / row.time_us / 1e3;
     fmt::print("  {:>12} {:>11} {:>5} {:>11.1f} {:>8.3f} {:>8.3f} {:>11.1f} {:>9.2f} {:>6}  {}\n", row.bytes,
-               row.bytes / sizeof(float), "float", row.time_us, algbw, algbw * bus_factor(ranks), row.memcpy_us,
+               row.bytes / sizeof(float), "float", row.time_us, algbw, algbw * tk::bus_factor(ranks), row.memcpy_us,
                row.time_us / row.memcpy_us, row.checked ? fmt::to_string(row.wrong) : "-",
                row.across.empty() ? row.topology : fmt::format("{} ({} across)", row.topology, row.across));
     wrong += row.wrong;
@@ -588,7 +586,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"data", cfg.data},
                     {"time_us", tk::rounded(r.time_us, 3)},
                     {"algbw_GBps", tk::rounded(algbw, 5)},
-                    {"busbw_GBps", tk::rounded(algbw * bus_factor(ranks), 5)},
+                    {"busbw_GBps", tk::rounded(algbw * tk::bus_factor(ranks), 5)},
                     {"memcpy_us", tk::rounded(r.memcpy_us, 3)},
                     {"wrong", r.checked ? tk::Json(r.wrong) : tk::Json()}});
     if (cfg.topology == "hierarchical") {

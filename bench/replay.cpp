@@ -336,7 +336,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
       "  {:>22} {:>8} {:>14.1f} {:>13.1f} {:>6} {:>10.2f} {:>8.3f} {:>8.3f} {:>10.1f} {:>10.1f} {:>10.1f} {:>9.1f} "
       "{:>9.1f}\n",
       policy_name, samples.back().buckets, tk::median(times), tk::median(exposed), plans,
-      static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * 2 * (workers - 1) / std::max(1, workers),
+      static_cast<double>(last.bytes_sent) / 1e6, algbw, algbw * tk::bus_factor(workers),
       tk::median(compute), tk::median(in_flight), tk::median(waiting), tk::median(cpu_user), tk::median(cpu_system));
   fmt::print("# plan changed after iterations: {}\n", fmt::join(plan_changes, ", "));
   if (cfg.coordination.enabled)
