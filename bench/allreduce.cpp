@@ -1,8 +1,7 @@
 // bench/allreduce — nccl-tests style: time one allreduce of each size (the topology's schedule,
 // run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
-//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph]
-//             [--serial-bucket-bytes B] [--ranks N] [--min-bytes B] [--max-bytes B]
+//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server|hierarchical|recursive-doubling|halving-doubling|auto]
 //             [--partitions P] [--ranks-per-machine L] [--across auto|ring|recursive-doubling|halving-doubling]
@@ -65,7 +64,6 @@ struct Config {
   std::string transport = "in-process";
   std::string local_transport = "shm";
   std::string executor = "serial";
-  std::size_t serial_bucket_bytes = Options{}.serial_bucket_bytes;  // task graph
   int ranks = 4;
   std::size_t min_bytes = 1024;
   std::size_t max_bytes = std::size_t{256} << 20;
@@ -398,13 +396,11 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   };
   Coordination<X> coordination(transport);
   // The task graph runs a schedule's steps as their data allows (pieces of one phase overlap the
-  // next), and a small bucket as the Synchronizer's default options have it (Options::
-  // serial_bucket_bytes); the serial executor in list order.
+  // next); the serial executor in list order.
   std::optional<engine::TaskGraph<Codec, X>> graph;
   if (cfg.executor == "task-graph")
     graph.emplace(transport, codec, group, 1, std::chrono::minutes(2),
-                  typename engine::TaskGraph<Codec, X>::Hooks{.bucket_done = [](std::uint32_t) {}}, gradsync::Coordination{},
-                  cfg.serial_bucket_bytes);
+                  typename engine::TaskGraph<Codec, X>::Hooks{.bucket_done = [](std::uint32_t) {}});
   std::vector<Row> rows;
   std::uint64_t iteration = 0;
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
@@ -495,10 +491,6 @@ void declare_options(CLI::App& app, Config& cfg) {
                  "serial: one thread walks the schedule in list order; task-graph: the Synchronizer's default "
                  "engine, steps run as their data allows",
                  {"serial", "task-graph"});
-  tk::add_byte_size(app, "--serial-bucket-bytes", cfg.serial_bucket_bytes,
-                    "task graph: a bucket of at most this size runs on the calling thread as the serial executor runs "
-                    "it (Options::serial_bucket_bytes; 0: none)",
-                    {});
   tk::add_choice(app, "--local-transport", cfg.local_transport,
                  "with tcp and several ranks per machine (LOCAL_WORLD_SIZE > 1): how ranks of one machine talk",
                  {"shm", "tcp"});
@@ -582,7 +574,6 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"codec", cfg.codec},
                     {"transport", transport_name(cfg)},
                     {"executor", cfg.executor},
-                    {"serial_bucket_bytes", cfg.serial_bucket_bytes},
                     {"data", cfg.data},
                     {"time_us", tk::rounded(r.time_us, 3)},
                     {"algbw_GBps", tk::rounded(algbw, 5)},

@@ -6,7 +6,7 @@
 //   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
 //          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server|hierarchical] [--partitions P]
 //          [--servers S] [--dedicated] [--chunk-mib M]
-//          [--executor task-graph|serial] [--compute-threads N] [--serial-bucket-bytes B] [--selective]
+//          [--executor task-graph|serial] [--compute-threads N] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
 //          [--drift-at N] [--drift-factor F] [--spin] [--device [--ipc]] [--data gradient|constant] [--json PATH]
@@ -105,7 +105,6 @@ struct Config {
   double chunk_mib = 1;  // the topology's pieces
   std::string executor = "task-graph";
   int compute_threads = 1;
-  std::size_t serial_bucket_bytes = gs::Options{}.serial_bucket_bytes;
   bool selective = false;
   gs::Coordination coordination;
   bool device = false;
@@ -220,7 +219,6 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   const gs::Options options{.timeout = std::chrono::minutes(5),
                             .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
                             .compute_threads = cfg.compute_threads,
-                            .serial_bucket_bytes = cfg.serial_bucket_bytes,
                             .selective_compression = cfg.selective,
                             .coordination = cfg.coordination};
   const std::string transport_name = transport.describe();
@@ -369,7 +367,6 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
                               {"selective", cfg.selective},
                               {"topology", topology.describe()},
                               {"executor", cfg.executor},
-                              {"serial_bucket_bytes", cfg.serial_bucket_bytes},
                               {"data", cfg.data},
                               {"compute_threads", cfg.compute_threads},
                               {"transport", transport_name},
@@ -398,10 +395,6 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--chunk-mib", cfg.chunk_mib, "the topology's piece size, in MiB", {.low = 0, .low_open = true});
   tk::add_choice(app, "--executor", cfg.executor, "what runs the synchronization's steps", {"task-graph", "serial"});
   tk::add_number(app, "--compute-threads", cfg.compute_threads, "threads of the task graph's compute queue", {.low = 1});
-  tk::add_byte_size(app, "--serial-bucket-bytes", cfg.serial_bucket_bytes,
-                    "task graph: a bucket of at most this size that finds no other in flight runs on the "
-                    "Synchronizer's thread (Options::serial_bucket_bytes; 0: none)",
-                    {});
   app.add_flag("--selective", cfg.selective, "compress only the buckets where the ranks measured it to pay");
   app.add_flag("--coordinate", cfg.coordination.enabled, "grant sends in batches, a window of them per link");
   tk::add_number(app, "--window", cfg.coordination.window, "batches in flight per link (--coordinate)", {.low = 1});

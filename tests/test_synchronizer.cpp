@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <limits>
 #include <mutex>
 #include <new>
@@ -199,15 +198,14 @@ void train(int n, const std::vector<Spec>& specs, int iterations, double codec_u
 
 // Every rank's gradients after each of `iterations` steps (inputs as in train()).
 template <class Sync>
-std::vector<std::vector<Model>> results_of(int n, const std::vector<Spec>& specs, int iterations,
-                                           const std::function<Options(int rank)>& options_of,
+std::vector<std::vector<Model>> results_of(int n, const std::vector<Spec>& specs, int iterations, Options options,
                                            typename Sync::Compression codec, typename Sync::Topology topology) {
   std::vector<std::vector<Model>> outputs(static_cast<std::size_t>(iterations),
                                           std::vector<Model>(static_cast<std::size_t>(n), Model(specs)));
   const auto errors = test::run_ranks(n, [&](InProcess& t) {
     const auto r = static_cast<std::size_t>(t.rank());
     Model model(specs);
-    Sync sync(std::move(t), options_of(t.rank()), {}, codec, topology);
+    Sync sync(std::move(t), options, {}, codec, topology);
     for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
     for (int iteration = 0; iteration < iterations; ++iteration) {
       model.fill(static_cast<int>(r), iteration);
@@ -219,12 +217,6 @@ std::vector<std::vector<Model>> results_of(int n, const std::vector<Spec>& specs
   for (const auto& e : errors)
     if (e) FAIL(std::string(e->what()));
   return outputs;
-}
-
-template <class Sync>
-std::vector<std::vector<Model>> results_of(int n, const std::vector<Spec>& specs, int iterations, Options options,
-                                           typename Sync::Compression codec, typename Sync::Topology topology) {
-  return results_of<Sync>(n, specs, iterations, [&](int) { return options; }, codec, topology);
 }
 
 // A ring that does not describe its pipeline, as a user's own topology might not.
@@ -343,18 +335,7 @@ TEST_SUITE("synchronizer") {
       using Sync = Synchronizer<bucketing::PerTensor, C, T, InProcess>;
       CAPTURE(topology.describe());
       const auto serial = results_of<Sync>(n, specs, 3, {.executor = Executor::serial}, {}, topology);
-      // Every bucket through the graph.
-      const auto graph = results_of<Sync>(
-          n, specs, 3, {.executor = Executor::task_graph, .compute_threads = 3, .serial_bucket_bytes = 0}, {}, topology);
-      // Even ranks run their small buckets themselves (Options::serial_bucket_bytes), odd ranks
-      // through the graph: the two executors meet on every exchange.
-      const auto split = results_of<Sync>(
-          n, specs, 3,
-          [](int rank) {
-            return Options{.executor = Executor::task_graph,
-                           .serial_bucket_bytes = rank % 2 == 0 ? Options{}.serial_bucket_bytes : 0};
-          },
-          {}, topology);
+      const auto graph = results_of<Sync>(n, specs, 3, {.executor = Executor::task_graph, .compute_threads = 3}, {}, topology);
       // Coordinated with one batch per link and batches of one piece: the most grants there can be.
       const auto coordinated = results_of<Sync>(
           n, specs, 3, {.executor = Executor::task_graph, .coordination = {.enabled = true, .window = 1, .batch_bytes = 0}},
@@ -365,7 +346,6 @@ TEST_SUITE("synchronizer") {
           CAPTURE(r);
           CHECK(same_bits(graph[it][r], serial[it][r]));
           if (static_cast<int>(r) < workers) CHECK(same_bits(graph[it][r], graph[it][0]));
-          CHECK(same_bits(split[it][r], serial[it][r]));
           CHECK(same_bits(coordinated[it][r], serial[it][r]));
         }
     };
@@ -699,9 +679,7 @@ TEST_SUITE("synchronizer") {
     const auto run = [&]<class C>(std::vector<IterationStats>& out) {
       const auto errors = test::run_ranks(2, [&](InProcess& t) {
         Model model(specs);
-        // The task graph, the default executor, with the bucket in the graph (not run by the
-        // communication thread itself, as a bucket this small would be by default).
-        Synchronizer<bucketing::FixedSize, C, topology::Ring, InProcess> sync(std::move(t), {.serial_bucket_bytes = 0});
+        Synchronizer<bucketing::FixedSize, C, topology::Ring, InProcess> sync(std::move(t));
         for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
         model.fill(sync.rank(), 0);
         sync.ready(1);
@@ -726,7 +704,7 @@ TEST_SUITE("synchronizer") {
       CHECK(q.compression_ratio() > 14.0);
       CHECK(q.after_last_ready > std::chrono::nanoseconds{0});
       CHECK(q.compute > std::chrono::nanoseconds{0});
-      CHECK(q.in_flight > std::chrono::nanoseconds{0});  // the task graph's
+      CHECK(q.in_flight > std::chrono::nanoseconds{0});  // the task graph, the default executor
     }
   }
 

@@ -42,12 +42,6 @@ struct Options {
   Executor executor = Executor::task_graph;
   // Threads serving the task graph's compute queue. Results do not depend on it.
   int compute_threads = 1;
-  // Task graph: a bucket of at most this many bytes that finds no other bucket in flight is run
-  // by the communication thread itself, step by step as the serial executor runs it, so that a
-  // latency-bound bucket pays the network's latency and not the graph's thread hand-offs (over
-  // transport::Tcp it also reads its receives from the sockets itself). Results do not depend on
-  // it. 0: every bucket goes through the graph; coordinated sends always do.
-  std::size_t serial_bucket_bytes = std::size_t{64} << 10;
   // Selective compression (engine/cost_model.hpp): at the first synchronization the ranks time
   // encode, decode and a transfer to their ring neighbour (a few hundred ms), agree on the
   // slowest rank's costs, and from then on every bucket is sent compressed only where that is
@@ -91,8 +85,7 @@ struct IterationStats {
   // Time computing: packing buckets, encode/decode/average steps and copying averages back (summed
   // over the threads doing it).
   std::chrono::nanoseconds compute{0};
-  // Serial executor, and the task graph's buckets run by the communication thread itself
-  // (Options::serial_bucket_bytes): time that thread sat blocked on the transport.
+  // Serial executor: time its thread sat blocked on the transport.
   std::chrono::nanoseconds waiting{0};
   // Task graph: time compute tasks sat ready in the compute queue, waiting for a thread (summed).
   std::chrono::nanoseconds queued{0};

@@ -348,7 +348,7 @@ class Synchronizer {
                                                       engine_failed_ = true;
                                                       work_cv_.notify_all();
                                                     }},
-            options_.coordination, options_.serial_bucket_bytes);
+            options_.coordination);
       install(bucketing_.initial_plan(layout_));
       thread_ = std::thread([this] { communicate_then_exit(); });
       frozen_.store(true, std::memory_order_release);

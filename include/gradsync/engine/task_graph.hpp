@@ -27,15 +27,6 @@
 // ordered after its encode by the transport. Sends it holds back until their copies to host
 // memory are done are handed on every pass (DeferredSender, concepts.hpp).
 //
-// A small bucket that finds no other bucket in flight (at most `serial_bucket_bytes`; never with
-// coordination or over a device transport) is run by start()'s caller itself, step by step as
-// the serial executor runs it (BucketExchange::run), epilogue included: such a bucket is latency-
-// bound, and the graph would add thread hand-offs to each of its steps (a receive's completion
-// to the communication thread, its add to a compute thread, the next send back), where the caller
-// waits for each transfer itself (over transport::Tcp, reading its receives from the sockets). The
-// bits are the same either way, so ranks that decide differently still agree; the graph's threads
-// go on with the buckets already in flight meanwhile.
-//
 // Nothing is allocated per task: queues and per-step counters are sized by install().
 // The transport must have no request of this engine pending when it is destroyed; the
 // Synchronizer aborts the transport on failure, which settles them all.
@@ -61,19 +52,13 @@ template <CompressionPolicy C, TransportPolicy X>
 class TaskGraph final : private transport::CompletionSink {
  public:
   struct Hooks {
-    // After the bucket's last step: on a compute thread, or on start()'s caller for a bucket it runs itself.
-    std::function<void(std::uint32_t bucket)> bucket_done;
+    std::function<void(std::uint32_t bucket)> bucket_done;  // on a compute thread, after the bucket's last step
     std::function<void()> failed;  // once, when a task fails; called under the engine's lock: keep it short
   };
 
   TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
-            Hooks hooks, Coordination coordination = {}, std::size_t serial_bucket_bytes = 0)
-      : transport_(transport),
-        codec_(codec),
-        group_(group),
-        timeout_(timeout),
-        serial_bucket_bytes_(serial_bucket_bytes),
-        hooks_(std::move(hooks)) {
+            Hooks hooks, Coordination coordination = {})
+      : transport_(transport), codec_(codec), group_(group), timeout_(timeout), hooks_(std::move(hooks)) {
     if (coordination.enabled && group.size() > 1)
       channel_.emplace(transport, group, coordination, static_cast<transport::CompletionSink*>(this),
                        task_id(control_job, 0));
@@ -146,14 +131,13 @@ class TaskGraph final : private transport::CompletionSink {
   }
 
   // Starts bucket `bucket` of the installed plan on `values` (which must stay alive and untouched
-  // until finish() returns), or runs it to its end here (above: a small bucket, the graph idle).
+  // until finish() returns).
   void start(std::uint32_t bucket, BucketValues values, std::uint64_t iteration) {
-    std::unique_lock lock(mutex_);
+    std::lock_guard lock(mutex_);
     if (failed_) return;  // finish() reports why
     Job& job = jobs_[bucket];
     job.values = values;
     job.iteration = iteration;
-    if (runs_here(job)) return run_here(bucket, lock);
     std::copy(job.graph.count.begin(), job.graph.count.end(), job.waiting.begin());
     std::fill(job.settled.begin(), job.settled.end(), std::uint8_t{0});
     job.left = static_cast<std::uint32_t>(job.waiting.size());
@@ -207,7 +191,6 @@ class TaskGraph final : private transport::CompletionSink {
     std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
     std::vector<std::uint8_t> held;           // per send: waiting for the coordinator's grant
     std::uint32_t left = 0;                   // steps not yet done
-    bool here = false;                        // start()'s caller is running it (run_here)
     BucketValues values;
     std::uint64_t iteration = 0;
 
@@ -256,47 +239,6 @@ class TaskGraph final : private transport::CompletionSink {
       std::push_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
       compute_cv_.notify_one();
     }
-  }
-
-  bool runs_here(const Job& job) const {
-    if constexpr (DeviceTransport<X>) {
-      return false;
-    } else {
-      const std::size_t bytes = std::visit([](auto values) { return values.size_bytes(); }, job.values);
-      return !channel_ && running_buckets_ == 0 && bytes <= serial_bucket_bytes_ && job.steps() > 0;
-    }
-  }
-
-  // The caller runs bucket `bucket` itself, as the serial executor does, then its epilogue; the
-  // reports of its requests are not taken meanwhile (completed()): the walk waits for each
-  // transfer itself.
-  void run_here(std::uint32_t bucket, std::unique_lock<std::mutex>& lock) {
-    Job& job = jobs_[bucket];
-    job.here = true;
-    iteration_active_ = true;
-    lock.unlock();
-    std::optional<Error> error;
-    ExchangeStats cost;
-    try {
-      cost = std::visit(
-          [&](auto values) { return job.exchange->run(values, codec_, transport_, context(job, bucket)); }, job.values);
-      const auto started = Clock::now();
-      try {
-        hooks_.bucket_done(bucket);
-      } catch (const Error& e) {
-        error = e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"});
-      }
-      cost.compute += Clock::now() - started;
-    } catch (const Error& e) {
-      error = e;  // run() names rank, peer, bucket and operation
-    } catch (const std::exception& e) {
-      error = Error(ErrorKind::internal, {.rank = group_.members[group_.rank], .bucket = bucket, .operation = "exchange"},
-                    e.what());
-    }
-    lock.lock();
-    job.here = false;
-    stats_ += cost;
-    if (error) fail(std::move(*error));
   }
 
   // Task done: its successors may become ready; the bucket's last step readies its epilogue, and
@@ -399,7 +341,6 @@ class TaskGraph final : private transport::CompletionSink {
   void completed(std::uint64_t task) noexcept override {
     std::lock_guard lock(mutex_);
     if (failed_ || completions_.size() == completions_.capacity()) return;
-    if (bucket_of(task) != control_job && jobs_[bucket_of(task)].here) return;  // its walk waits for it
     completions_.push_back(task);
     communication_cv_.notify_one();
   }
@@ -639,7 +580,6 @@ class TaskGraph final : private transport::CompletionSink {
   const C& codec_;
   const Group& group_;
   std::chrono::milliseconds timeout_;
-  std::size_t serial_bucket_bytes_;  // a bucket of at most this many bytes may run on start()'s caller
   Hooks hooks_;
 
   std::mutex mutex_;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on 2026-11-28 with build/ at bbeba2a (--serial-bucket-bytes, taken back since: bench/README.md, "many ranks").
 # Replayed training steps with the task graph's small buckets run by the Synchronizer's thread
 # (Options::serial_bucket_bytes, 64 KiB by default) against every bucket through the graph
 # (--serial-bucket-bytes 0), alternating, on 4 emulated hosts at 1 Gbit/s (netcluster): ResNet-50

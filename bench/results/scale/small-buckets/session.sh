@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on 2026-11-28 with build/ at bbeba2a (--serial-bucket-bytes, taken back since: bench/README.md, "many ranks").
 # The task graph with small buckets run by the calling thread (Options::serial_bucket_bytes, 64 KiB
 # by default) against every bucket through the graph (--serial-bucket-bytes 0) and the serial
 # executor, alternating, then Open MPI, in one session: N ranks on TCP loopback, Auto, 4 KiB /
