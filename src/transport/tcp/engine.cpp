@@ -62,13 +62,6 @@ int reader_wake_fd() {
 // it waits for itself has no need to wake itself.
 thread_local int reading_wake_fd = -1;
 
-void count(TcpTraffic::Count& c, std::uint64_t bytes) {
-  ++c.messages;
-  c.bytes += bytes;
-}
-
-bool would_block(int error) { return error == EAGAIN || error == EWOULDBLOCK; }
-
 }  // namespace
 
 Connection::~Connection() {

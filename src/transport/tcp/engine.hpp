@@ -11,6 +11,7 @@
 // the io thread that would wake the caller.
 
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -39,6 +40,15 @@
 namespace gradsync::transport::detail {
 
 using Request = Tcp::Request;
+
+// Shared by the engine's two units (engine.cpp, io_thread.cpp).
+inline void count(TcpTraffic::Count& c, std::uint64_t bytes) {
+  ++c.messages;
+  c.bytes += bytes;
+}
+
+// A non-blocking socket call that found nothing to read, or no room to write.
+inline bool would_block(int error) { return error == EAGAIN || error == EWOULDBLOCK; }
 
 // One socket to one peer, and where its two streams stand. Everything here is guarded by the
 // engine's lock; the bytes themselves move outside it, by the one thread the socket's state names:

@@ -38,11 +38,6 @@ constexpr auto close_linger = std::chrono::seconds(2);
 // Events taken from the epoll set at a time.
 constexpr int events_per_turn = 64;
 
-void count(TcpTraffic::Count& c, std::uint64_t bytes) {
-  ++c.messages;
-  c.bytes += bytes;
-}
-
 // Reads and drops what a socket has, without waiting: false once the stream has ended or broken.
 bool drop_unread(int fd) {
   std::array<std::byte, 64 << 10> unread;
@@ -50,7 +45,7 @@ bool drop_unread(int fd) {
     const ssize_t got = ::recv(fd, unread.data(), unread.size(), MSG_DONTWAIT);
     if (got > 0) continue;
     if (got < 0 && errno == EINTR) continue;
-    return got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    return got < 0 && would_block(errno);
   }
 }
 
@@ -156,7 +151,7 @@ void TcpEngine::write_on(Connection& c) {
     message.msg_iovlen = head_done < head_bytes && body_bytes > 0 ? 2 : 1;
     const ssize_t written = ::sendmsg(c.fd, &message, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (written < 0 && errno == EINTR) continue;
-    if (written < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    if (written < 0 && would_block(errno)) {
       std::lock_guard lock(mutex_);
       c.write_blocked = true;
       watch(c);
