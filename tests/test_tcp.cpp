@@ -596,6 +596,55 @@ TEST_SUITE("tcp") {
     }
   }
 
+  TEST_CASE("a rank waiting for a peer that never connected hears of its failure through another's notice") {
+    // Connections come as the algorithms first need them: rank 2 waits for a message from rank 1,
+    // which has never connected to it, and rank 1 gives up. Only rank 0 is connected to both; its
+    // abort notice must fail rank 2's receive at once, not at the receive's 5-minute deadline.
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(3, [&](int rank) -> std::string {
+      Tcp t(options(rank, 3, port));
+      const auto deadline = std::chrono::steady_clock::now() + 5min;
+      Tcp::Request r;
+      std::array<std::byte, 16> buffer{};
+      if (rank == 1) {
+        t.send(r, 0, 1, buffer);
+        t.wait(r, deadline);
+        t.abort(Error(ErrorKind::invalid_argument, {.rank = 1, .operation = "test"}, "rank 1 gives up"));
+        return "ok";
+      }
+      if (rank == 0) {
+        t.send(r, 2, 1, buffer);
+        t.wait(r, deadline);
+        t.recv(r, 1, 1, buffer);
+        t.wait(r, deadline);
+        try {
+          t.recv(r, 1, 2, buffer);
+          t.wait(r, deadline);
+        } catch (const Error& e) {
+          t.abort(e);
+          throw;
+        }
+        return "rank 1's abort notice never came";
+      }
+      t.recv(r, 0, 1, buffer);
+      t.wait(r, deadline);
+      t.recv(r, 1, 2, buffer);  // rank 1 would connect to send it: the lower rank of a pair dials
+      t.wait(r, deadline);
+      return "rank 1's message came";
+    });
+    CHECK(results[1].ok());
+    for (int r : {0, 2}) {
+      const std::string& report = results[static_cast<std::size_t>(r)].report;
+      CAPTURE(r);
+      CAPTURE(report);
+      CHECK_FALSE(results[static_cast<std::size_t>(r)].killed_at_deadline);
+      CHECK(contains(report, "error peer failed"));
+      CHECK(contains(report, "rank 1 failed"));
+      CHECK(contains(report, "rank 1 gives up"));
+    }
+    CHECK(contains(results[2].report, "while this rank waited for rank 1 to connect"));
+  }
+
   TEST_CASE("ranks set up differently are refused, and both sides say why") {
     struct Case {
       const char* name;

@@ -31,6 +31,8 @@ class IntrusiveQueue {
     return nullptr;
   }
 
+  bool empty() const noexcept { return head_ == nullptr; }
+
   bool remove(Request* target) noexcept {
     return take_if([&](const Request* r) { return r == target; }) != nullptr;
   }

@@ -437,6 +437,7 @@ TcpEngine::ReadEnd TcpEngine::read_frames(Connection& c, Request* const own) {
     std::size_t wanted = 0;
     Request* target = nullptr;
     std::optional<Error> failure;
+    bool notice = false;  // the failure is an abort notice's
     {
       std::lock_guard lock(mutex_);
       if (c.fd < 0) return ReadEnd::stopped;
@@ -471,6 +472,7 @@ TcpEngine::ReadEnd TcpEngine::read_frames(Connection& c, Request* const own) {
           if (own) return hand_back(true);
           if (c.reason_got == c.reason_bytes) {
             failure = abort_notice_error(c, false);
+            notice = true;
             break;
           }
           into = reinterpret_cast<std::byte*>(c.reason.data()) + c.reason_got;
@@ -479,7 +481,7 @@ TcpEngine::ReadEnd TcpEngine::read_frames(Connection& c, Request* const own) {
       }
     }
     if (failure) {  // the io thread's only: a caller hands such headers back unread
-      fail_peer(c.peer, *failure);
+      notice ? notice_heard(c.peer, *failure) : fail_peer(c.peer, *failure);
       return ReadEnd::stopped;
     }
     const ssize_t got = ::recv(c.fd, into, wanted, MSG_DONTWAIT);

@@ -194,6 +194,7 @@ class TcpEngine {
   void closed_between_frames(Connection& c);
   void connection_broke(int peer, const boost::system::error_code& ec);
   void fail_peer(int peer, const Error& e);
+  void notice_heard(int peer, const Error& e);
   void fail_peer_and_wait(int peer, const Error& e);
   void fail_pending(Peer& p, const Error& e);
   void begin_abort();

@@ -99,7 +99,7 @@ void TcpEngine::read_failed(Connection& c, const error_code& ec) {
     if (c.incoming == Connection::Incoming::reason) notice = abort_notice_error(c, true);
     between_frames = ec == asio::error::eof && c.incoming == Connection::Incoming::header && c.header_got == 0;
   }
-  if (notice) return fail_peer(c.peer, *notice);
+  if (notice) return notice_heard(c.peer, *notice);
   if (between_frames) return closed_between_frames(c);
   connection_broke(c.peer, ec);
 }
@@ -291,6 +291,23 @@ void TcpEngine::fail_peer(int peer, const Error& e) {
   close_sockets(p);
 }
 
+// An abort notice from `peer`: it has given up, and with it the job. A peer this rank waits for
+// but has no connection to yet (connections come as the algorithms first need them) could never
+// say so itself, nor could anyone else but through a notice like this one: its operations fail now
+// too, rather than at their deadline.
+void TcpEngine::notice_heard(int peer, const Error& e) {
+  fail_peer(peer, e);
+  std::lock_guard lock(mutex_);
+  for (std::size_t other = 0; other < peers_.size(); ++other) {
+    Peer& p = peers_[other];
+    if (!p.connections.empty() || p.failure || (p.receives.empty() && p.unsent.empty())) continue;
+    const int waited_for = static_cast<int>(other);
+    fail_pending(p, Error(ErrorKind::peer_failed, where(waited_for, "connection"),
+                          fmt::format("{} (while this rank waited for rank {} to connect)", e.detail(), waited_for))
+                        .with_origin(*e.origin()));
+  }
+}
+
 // From a caller's thread: fail_peer on the io thread, and back once it is done.
 void TcpEngine::fail_peer_and_wait(int peer, const Error& e) {
   std::promise<void> done;
@@ -382,7 +399,7 @@ void TcpEngine::finish_abort() {
 // with a reset, and a reset makes the peer's kernel drop what it has not read yet, the notice too;
 // a rank reaches the ranks it has no connection to only through those it has, so the notice
 // must arrive. A peer closes once it has read the notice (it fails, and lets go of its sockets).
-// A socket a caller still holds is left to close_all (its caller lets go, its receive having failed).
+// A socket a caller still holds is waited for: its caller lets go soon, its receive having failed.
 void TcpEngine::linger_until_peers_close(Clock::time_point until) {
   for (;;) {
     bool still_open = false;
@@ -390,8 +407,8 @@ void TcpEngine::linger_until_peers_close(Clock::time_point until) {
       std::lock_guard lock(mutex_);
       for (auto& p : peers_)
         for (auto& c : p.connections) {
-          if (c->fd < 0 || c->reader == Connection::Reader::caller) continue;
-          if (drop_unread(c->fd))
+          if (c->fd < 0) continue;
+          if (c->reader == Connection::Reader::caller || drop_unread(c->fd))
             still_open = true;
           else
             close_connection(*c);  // the peer has closed (or the socket broke): nothing more will come
@@ -404,7 +421,10 @@ void TcpEngine::linger_until_peers_close(Clock::time_point until) {
 
 // Requires the lock. A socket a caller reads is only shut down, which wakes the caller, and closed
 // once it lets go (release): closing it under the caller's poll could hand its descriptor to a
-// socket opened meanwhile.
+// socket opened meanwhile. What the peer sent that nobody read is discarded first: closing a socket
+// with unread data (a frame never asked for, heartbeats behind it) makes the kernel reset the
+// connection and drop what it had not sent yet, an abort notice or the last message to a peer
+// still reading.
 void TcpEngine::close_connection(Connection& c) {
   if (c.fd < 0) return;
   if (c.reader == Connection::Reader::caller) {
@@ -413,6 +433,7 @@ void TcpEngine::close_connection(Connection& c) {
     watch(c);
     return;
   }
+  drop_unread(c.fd);
   ::close(c.fd);  // which takes it out of the epoll set
   c.fd = -1;
   c.watched = 0;
@@ -422,17 +443,11 @@ void TcpEngine::close_sockets(Peer& p) {
   for (auto& c : p.connections) close_connection(*c);
 }
 
-// What peers sent that nobody read is discarded first: closing a socket with unread data (a frame
-// never asked for, heartbeats behind it) makes the kernel reset the connection and drop what it had
-// not sent yet, an abort notice or the last message to a peer still reading.
 void TcpEngine::close_all() {
   connector_->close();
   if (liveness_timer_) liveness_timer_->cancel();
   std::lock_guard lock(mutex_);
   closed_ = true;
-  for (auto& p : peers_)
-    for (auto& c : p.connections)
-      if (c->fd >= 0 && c->reader == Connection::Reader::io) drop_unread(c->fd);
   for (auto& p : peers_) close_sockets(p);
   error_code ignored;
   epoll_watch_.close(ignored);  // the set's descriptor; its wait ends, and with it the io thread's last work
