@@ -36,10 +36,6 @@ namespace {
 // other work to post.
 constexpr std::size_t send_now_bytes = std::size_t{64} << 10;
 
-// The io thread reads at most this much of one socket's payload a turn, so that a long message
-// does not hold up the other sockets; each piece counts as hearing from the peer.
-constexpr std::uint64_t payload_piece_bytes = std::uint64_t{1} << 20;
-
 // The most sockets a pair has: 64 data sockets and the express lane (connector.cpp's limits).
 constexpr std::size_t most_connections = 65;
 
@@ -431,7 +427,7 @@ void TcpEngine::release(Connection& c) {
 // socket back (released: what comes next is not the caller's to read). `own` null: the io thread;
 // else the caller waiting for `own`, which reads only headers, heartbeats and its own payload.
 TcpEngine::ReadEnd TcpEngine::read_frames(Connection& c, Request* const own) {
-  std::uint64_t turn = payload_piece_bytes;
+  std::uint64_t turn = io_turn_bytes;
   for (;;) {
     std::byte* into = nullptr;
     std::size_t wanted = 0;

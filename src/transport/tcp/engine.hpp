@@ -50,6 +50,11 @@ inline void count(TcpTraffic::Count& c, std::uint64_t bytes) {
 // A non-blocking socket call that found nothing to read, or no room to write.
 inline bool would_block(int error) { return error == EAGAIN || error == EWOULDBLOCK; }
 
+// The io thread reads or writes at most this much of one socket's payload a turn, so that a long
+// message does not hold up the other sockets, the heartbeats and the liveness check; each piece
+// read counts as hearing from the peer.
+inline constexpr std::size_t io_turn_bytes = std::size_t{1} << 20;
+
 // One socket to one peer, and where its two streams stand. Everything here is guarded by the
 // engine's lock; the bytes themselves move outside it, by the one thread the socket's state names:
 // the io thread writes; the reader (the io thread, or a caller on the short path) reads.

@@ -135,14 +135,18 @@ void TcpEngine::write_next(Connection& c) {
   write_on(c);
 }
 
-// Writes the frame c.outgoing names from byte c.out_done on, as far as the socket takes it; the
-// rest once epoll says the socket can take more.
+// Writes the frame c.outgoing names from byte c.out_done on, as far as the socket takes it, the
+// rest once epoll says the socket can take more; a turn's worth at a time, the next turn posted.
 void TcpEngine::write_on(Connection& c) {
   const bool notice = c.outgoing == Connection::Outgoing::notice;
   const std::byte* head = notice ? abort_notice_.data() : c.out_header.data();
   const std::size_t head_bytes = notice ? abort_notice_.size() : c.out_header.size();
   const std::size_t body_bytes = c.outgoing == Connection::Outgoing::data ? c.out_payload_bytes : 0;
-  while (c.fd >= 0) {
+  for (const std::size_t turn_ends = c.out_done + io_turn_bytes; c.fd >= 0;) {
+    if (c.out_done >= turn_ends) {
+      asio::post(io_, [this, &c] { write_on(c); });
+      return;
+    }
     const std::size_t head_done = std::min(c.out_done, head_bytes), body_done = c.out_done - head_done;
     iovec parts[2] = {{const_cast<std::byte*>(head) + head_done, head_bytes - head_done},
                       {const_cast<std::byte*>(c.out_payload) + body_done, body_bytes - body_done}};
@@ -240,8 +244,16 @@ void TcpEngine::check_liveness() {
           asio::post(io_, [this, quiet] { write_on(*quiet); });
         }
       }
+      // Bytes waiting in a socket were heard, if not yet read (the io thread may have been busy).
+      const auto unread = [](const Connection& c) {
+        int bytes = 0;
+        return c.fd >= 0 && ::ioctl(c.fd, FIONREAD, &bytes) == 0 && bytes > 0;
+      };
       if (!p.spoke || std::any_of(p.connections.begin(), p.connections.end(),
                                   [](const auto& c) { return c->parked.has_value(); }))
+        p.heard = now;
+      else if (now - p.heard > options_.liveness &&
+               std::any_of(p.connections.begin(), p.connections.end(), [&](const auto& c) { return unread(*c); }))
         p.heard = now;
       else if (now - p.heard > options_.liveness)
         silent.emplace_back(static_cast<int>(peer), now - p.heard);
