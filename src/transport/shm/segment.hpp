@@ -6,7 +6,7 @@
 // aligned) one arena per local rank, arena_bytes each. Every field another process reads is either
 // set before the header's magic is published (release) or guarded by the process-shared mutex
 // named beside it. The arenas are sparse: a page takes memory only once reserve() has claimed it
-// for an allocation (see Arena in shared_memory.cpp).
+// for an allocation (see arena.hpp).
 
 #include <atomic>
 #include <chrono>
