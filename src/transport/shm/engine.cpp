@@ -57,8 +57,8 @@ SharedMemoryEngine::~SharedMemoryEngine() {
   thread_.join();
 }
 
-void SharedMemoryEngine::post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source, std::byte* destination,
-          std::size_t bytes, Delivery delivery) {
+void SharedMemoryEngine::post(Request& r, bool is_send, int peer, std::uint64_t tag, const std::byte* source,
+                              std::byte* destination, std::size_t bytes, Delivery delivery) {
   const char* operation = is_send ? "send" : "recv";
   if (peer < 0 || peer >= size_)
     throw Error(ErrorKind::invalid_argument, context(peer, operation),

@@ -39,12 +39,12 @@
 
 namespace gradsync::transport::detail {
 
-using shm::Record;
-using Clock = std::chrono::steady_clock;
-using Request = SharedMemory::Request;
-
 class SharedMemoryEngine {
  public:
+  using Clock = std::chrono::steady_clock;
+  using Request = SharedMemory::Request;
+  using Record = shm::Record;
+
   explicit SharedMemoryEngine(const SharedMemoryOptions& o);
   ~SharedMemoryEngine();
   int rank() const noexcept { return rank_; }
