@@ -48,6 +48,16 @@ Group Group::of(std::vector<int> members, int self, std::string name) {
   return Group{.rank = rank, .members = std::move(members), .name = std::move(name)};
 }
 
+void Group::check_fits(int self, int transport_size) const {
+  if (rank < 0 || rank >= size() || members[static_cast<std::size_t>(rank)] != self)
+    throw bad_group(self, fmt::format("group {:?} does not place this rank (transport rank {}) at its rank {}", name,
+                                      self, rank));
+  for (int member : members)
+    if (member < 0 || member >= transport_size)
+      throw bad_group(self, fmt::format("group {:?} names rank {}, which the transport ({} ranks) does not have",
+                                        name, member, transport_size));
+}
+
 Group Group::machine(const launch::Launch& launch) {
   const int machine = (machines_of(launch), launch.rank / launch.local_world_size);
   std::vector<int> members(static_cast<std::size_t>(launch.local_world_size));

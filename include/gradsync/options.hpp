@@ -101,4 +101,17 @@ struct IterationStats {
   }
 };
 
+// What a Synchronizer's policies can take, for checking its Options against them.
+struct PolicyAbilities {
+  int rank = 0;                    // the transport's, for the Error
+  std::string transport;           // its describe()
+  std::string topology;            // its describe()
+  bool pipeline_topology = false;  // a PipelineTopology (concepts.hpp): selective compression can cut its buckets
+  bool device_transport = false;   // a DeviceTransport: buckets travel from device memory
+};
+
+// Throws Error(invalid_argument) naming the first setting of `options` out of its range, or
+// Error(unsupported) for one the policies cannot take.
+void check(const Options& options, const PolicyAbilities& policies);
+
 }  // namespace gradsync

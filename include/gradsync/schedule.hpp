@@ -27,6 +27,9 @@ struct Group {
 
   int size() const noexcept { return static_cast<int>(members.size()); }
   std::string describe() const;  // "machine 1: ranks 4, 5, 6, 7"
+  // Throws Error(invalid_argument) unless this group places transport rank `self` at its own
+  // rank and names only ranks of a transport of `transport_size`.
+  void check_fits(int self, int transport_size) const;
 
   // Every rank of a transport of `size` ranks, in transport order.
   static Group world(int rank, int size);

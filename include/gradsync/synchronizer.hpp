@@ -41,12 +41,12 @@
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
-#include "gradsync/detail/convert.hpp"
 #include "gradsync/detail/device_gradients.hpp"
 #include "gradsync/detail/settings.hpp"
 #include "gradsync/engine/control.hpp"
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
+#include "gradsync/engine/gradients.hpp"
 #include "gradsync/engine/task_graph.hpp"
 #include "gradsync/options.hpp"
 #include "gradsync/timeline.hpp"
@@ -87,62 +87,21 @@ class Synchronizer {
         codec_(std::move(codec)),
         topology_(std::move(topology)),
         group_(group ? std::move(*group) : Group::world(transport_.rank(), transport_.size())),
-        control_(transport_, group_, options_.timeout) {
+        control_(transport_, group_, options_.timeout),
+        gradients_(transport_) {
     detail::validate_policy(bucketing_);
     detail::validate_policy(codec_);
     detail::validate_policy(topology_);
-    if (options_.timeout <= std::chrono::milliseconds::zero())
-      throw Error(ErrorKind::invalid_argument, here("options"),
-                  fmt::format("timeout is {} ms; it must be above 0", options_.timeout.count()));
-    if (group_.rank < 0 || group_.rank >= group_.size() || group_.members[group_.rank] != transport_.rank())
-      throw Error(ErrorKind::invalid_argument, {.rank = transport_.rank(), .operation = "group"},
-                  fmt::format("group {:?} does not place this rank (transport rank {}) at its rank {}", group_.name,
-                              transport_.rank(), group_.rank));
-    for (int member : group_.members)
-      if (member < 0 || member >= transport_.size())
-        throw Error(ErrorKind::invalid_argument, {.rank = transport_.rank(), .operation = "group"},
-                    fmt::format("group {:?} names rank {}, which the transport ({} ranks) does not have",
-                                group_.name, member, transport_.size()));
-    if (options_.compute_threads < 1)
-      throw Error(ErrorKind::invalid_argument, here("options"),
-                  fmt::format("compute_threads is {}; the task graph needs at least 1", options_.compute_threads));
-    if (options_.selective_compression && !PipelineTopology<T>)
-      throw Error(ErrorKind::unsupported, here("options"),
-                  fmt::format("selective compression needs a topology with shape() and chunk_elements (a "
-                              "PipelineTopology, concepts.hpp); {} has not",
-                              topology_.describe()));
-    if (options_.coordination.enabled && options_.executor != Executor::task_graph)
-      throw Error(ErrorKind::invalid_argument, here("options"), "coordinated sends need the task-graph executor");
-    if constexpr (DeviceTransport<X>) {
-      // Coordination's reports and grants are host messages timed against host-memory sends.
-      if (options_.coordination.enabled)
-        throw Error(ErrorKind::unsupported, here("options"),
-                    fmt::format("coordinated sends are not supported over {}: buckets there travel from device "
-                                "memory",
-                                transport_.describe()));
-      // Encodes share the stream's scratch (one-bit's sums, a scale) in launch order, which
-      // several threads launching would interleave.
-      if (options_.compute_threads != 1)
-        throw Error(ErrorKind::unsupported, here("options"),
-                    fmt::format("compute_threads is {}; over {} the task graph's compute runs on one thread, "
-                                "queueing kernels on one stream",
-                                options_.compute_threads, transport_.describe()));
-      // Calibration times transfers of host memory, which is not what buckets take over it.
-      if (options_.selective_compression)
-        throw Error(ErrorKind::unsupported, here("options"),
-                    fmt::format("selective compression cannot calibrate over {}: it times host-memory "
-                                "transfers, and buckets there travel from device memory",
-                                transport_.describe()));
-    }
-    if (options_.coordination.enabled && options_.coordination.window < 1)
-      throw Error(ErrorKind::invalid_argument, here("options"),
-                  fmt::format("coordination window is {}; at least one batch per link must be allowed",
-                              options_.coordination.window));
-    if (options_.timeline_events < 1 || options_.timeline_events > Timeline::max_capacity)
-      throw Error(ErrorKind::invalid_argument, here("options"),
-                  fmt::format("timeline_events is {}; it must be between 1 and {}", options_.timeline_events,
-                              Timeline::max_capacity));
-    open_timeline();
+    check(options_, {.rank = transport_.rank(),
+                     .transport = transport_.describe(),
+                     .topology = topology_.describe(),
+                     .pipeline_topology = PipelineTopology<T>,
+                     .device_transport = DeviceTransport<X>});
+    group_.check_fits(transport_.rank(), transport_.size());
+    std::string tag = std::to_string(transport_.rank());
+    if (group_.name != "world")
+      for (const char c : "." + group_.name) tag += std::isalnum(static_cast<unsigned char>(c)) || c == '.' ? c : '-';
+    gradients_.open_timeline(options_.timeline, tag, options_.timeline_events);
   }
 
  public:
@@ -157,16 +116,16 @@ class Synchronizer {
     {
       std::lock_guard lock(mutex_);
       stop_ = true;
-      mid_iteration = !error_ && (!idle_ || (order_size_.load() > 0 && !done_));
+      mid_iteration = !error_ && (!idle_ || (gradients_.any_marked() && !done_));
     }
     if (mid_iteration)
       transport_.abort(Error(ErrorKind::peer_failed, here("shutdown"),
                              fmt::format("the Synchronizer was destroyed during iteration {}", iteration_.load())));
     work_cv_.notify_all();
     thread_.join();
-    if (timeline_) {
+    if (Timeline* timeline = gradients_.timeline()) {
       try {
-        timeline_->write();
+        timeline->write();
       } catch (const Error& e) {
         log_line(options_.log, e.what());  // a destructor must not throw
       }
@@ -179,25 +138,12 @@ class Synchronizer {
   // copies (detail/device_gradients.hpp), or over a device transport packed on its stream: it must
   // be complete, or queued on the device's legacy default stream, when ready() is called for it.
   GradId add(std::string name, TensorView gradient) {
-    if (frozen_.load())
-      throw Error(ErrorKind::invalid_argument, here("add"),
-                  fmt::format("add({:?}) after the first ready() or wait(): register every gradient first", name));
-    if (gradient.data == nullptr && gradient.count != 0)
-      throw Error(ErrorKind::invalid_argument, here("add"), fmt::format("gradient {:?} has no memory", name));
     if (accumulation_dtype(gradient.dtype) == DType::f64 && !CodecFor<C, double>)
       throw Error(ErrorKind::unsupported, here("add"),
                   fmt::format("gradient {:?} is f64, but codec {} encodes f32 values only (it has no f64 encode "
                               "and decode); convert the gradient to f32 or choose a codec with an f64 path",
                               name, codec_.describe()));
-    const bool on_device = gradient.device != Device::cpu();
-    if (on_device) detail::check_device_gradient(name, gradient, here("add"));
-    if constexpr (DeviceTransport<X>) check_for_device_transport(name, gradient);
-    layout_.push_back({std::move(name), gradient.count, gradient.dtype, gradient.device});
-    views_.push_back(gradient);
-    staging_.push_back(on_device && !DeviceTransport<X> && gradient.dtype != accumulation_dtype(gradient.dtype)
-                           ? detail::HostStaging(gradient.bytes())
-                           : detail::HostStaging());
-    return static_cast<GradId>(layout_.size() - 1);
+    return gradients_.add(std::move(name), gradient);
   }
 
   // From now on `update(id)` runs as soon as gradient `id` holds the iteration's average, on the
@@ -210,7 +156,7 @@ class Synchronizer {
   // runs once per iteration. An exception from it stops synchronization on every rank with
   // Error(internal) naming the gradient. Call before the first ready() or wait().
   void on_averaged(std::function<void(GradId)> update) {
-    if (frozen_.load())
+    if (gradients_.frozen())
       throw Error(ErrorKind::invalid_argument, here("on_averaged"),
                   "on_averaged() after the first ready() or wait(): set the update before synchronizing");
     update_ = std::move(update);
@@ -220,31 +166,8 @@ class Synchronizer {
   void ready(GradId id) {
     if (failed_.load(std::memory_order_acquire)) rethrow();
     freeze();
-    if (id >= layout_.size())
-      throw Error(ErrorKind::invalid_argument, here("ready"),
-                  fmt::format("no gradient has id {} ({} registered)", id, layout_.size()));
-    if (marked_[id].exchange(true, std::memory_order_acq_rel))
-      throw Error(ErrorKind::invalid_argument, here("ready", slots_[id].bucket),
-                  fmt::format("gradient {:?} (id {}) was marked ready twice in iteration {}; call wait() before "
-                              "starting the next iteration",
-                              layout_[id].name, id, iteration_.load()));
-    if (timeline_) timeline_->record(Timeline::Kind::ready, timeline_->now(), slots_[id].bucket, id);
-    const auto now = std::chrono::steady_clock::now();
-    ready_at_[id] = now;
-    std::int64_t none = 0;
-    first_ready_.compare_exchange_strong(none, now.time_since_epoch().count());
-#if GRADSYNC_HAS_CUDA
-    // A device gradient may still be computed on the default stream (the host path's blocking
-    // copies wait for that work too). Its bucket's packing must follow what was queued there by
-    // now, so the mark is recorded here, on the trainer's thread, before the bucket can go: the
-    // last ready() of several threads to record it is the latest on that stream, covering all.
-    if constexpr (DeviceTransport<X>)
-      default_stream_marks_[slots_[id].bucket].record_default_stream(transport_.cuda_stream().device());
-#endif
-    const std::uint32_t position = order_size_.fetch_add(1, std::memory_order_acq_rel);
-    order_[position] = id;
-    const bool bucket_complete = pending_[slots_[id].bucket].fetch_sub(1, std::memory_order_acq_rel) == 1;
-    if (bucket_complete || position == 0) {  // the first ready() arms bucketing timers
+    const auto marked = gradients_.mark(id, iteration_.load());
+    if (marked.bucket_complete || marked.first) {  // the first mark arms bucketing timers
       std::lock_guard lock(mutex_);
       work_cv_.notify_all();
     }
@@ -259,13 +182,14 @@ class Synchronizer {
   void wait() {
     freeze();
     const auto start = std::chrono::steady_clock::now();
-    const std::int64_t traced_start = timeline_ ? timeline_->now() : 0;
-    if (!failed_.load(std::memory_order_acquire) && order_size_.load(std::memory_order_acquire) < layout_.size())
-      fail(never_ready_error());
+    Timeline* timeline = gradients_.timeline();
+    const std::int64_t traced_start = timeline ? timeline->now() : 0;
+    if (!failed_.load(std::memory_order_acquire) && !gradients_.all_marked())
+      fail(gradients_.never_ready(iteration_.load()));
     std::unique_lock lock(mutex_);
     done_cv_.wait(lock, [&] { return error_ || done_; });
     if (error_) throw_when_released(lock);
-    if (timeline_) timeline_->record(Timeline::Kind::wait, traced_start, 0, iteration_.load());
+    if (timeline) timeline->record(Timeline::Kind::wait, traced_start, 0, iteration_.load());
     next_iteration(std::chrono::steady_clock::now() - start);
   }
 
@@ -277,7 +201,8 @@ class Synchronizer {
     std::unique_lock lock(mutex_);
     if (error_) throw_when_released(lock);
     if (!done_) return false;
-    if (timeline_) timeline_->record(Timeline::Kind::wait, timeline_->now(), 0, iteration_.load());
+    if (Timeline* timeline = gradients_.timeline())
+      timeline->record(Timeline::Kind::wait, timeline->now(), 0, iteration_.load());
     next_iteration(std::chrono::nanoseconds{0});
     return true;
   }
@@ -286,18 +211,13 @@ class Synchronizer {
   int rank() const noexcept { return group_.rank; }
   int size() const noexcept { return group_.size(); }
   const Group& group() const noexcept { return group_; }
-  const Layout& layout() const noexcept { return layout_; }
+  const Layout& layout() const noexcept { return gradients_.layout(); }
   // The plan in use; read it between wait() and the next ready().
   const BucketPlan& plan() const noexcept { return plan_; }
   const IterationStats& last_iteration() const noexcept { return last_stats_; }
   const B& bucketing() const noexcept { return bucketing_; }
 
  private:
-  struct Slot {
-    std::uint32_t bucket = 0;
-    std::size_t offset = 0;  // first element in the bucket's buffer
-  };
-
   struct Bucket {
     DType dtype = DType::f32;  // accumulation dtype
     std::size_t elements = 0;
@@ -324,18 +244,9 @@ class Synchronizer {
 
   // The first ready() or wait(): the layout is final, so the plan is built and the thread started.
   void freeze() {
-    if (frozen_.load(std::memory_order_acquire)) return;
+    if (started_.load(std::memory_order_acquire)) return;
     std::call_once(freeze_once_, [&] {
-      const std::size_t n = layout_.size();
-      marked_ = std::make_unique<std::atomic<bool>[]>(n);
-      ready_at_.resize(n);
-      order_.resize(n);
-      ready_time_.resize(n);
-      if (timeline_) {
-        std::vector<std::string> names;
-        for (const auto& gradient : layout_) names.push_back(gradient.name);
-        timeline_->name_gradients(std::move(names));
-      }
+      gradients_.freeze();
       // Over NCCL, messages match in posting order, which threads posting as work gets ready
       // would not keep alike on every rank, and buckets may go through its own allreduce: the
       // serial executor only.
@@ -349,9 +260,9 @@ class Synchronizer {
                                                       work_cv_.notify_all();
                                                     }},
             options_.coordination);
-      install(bucketing_.initial_plan(layout_));
+      install(bucketing_.initial_plan(gradients_.layout()));
       thread_ = std::thread([this] { communicate_then_exit(); });
-      frozen_.store(true, std::memory_order_release);
+      started_.store(true, std::memory_order_release);
     });
   }
 
@@ -363,35 +274,23 @@ class Synchronizer {
     };
     if (plan.buckets.size() > engine::max_buckets)
       throw invalid(fmt::format("{} buckets, at most {} are supported", plan.buckets.size(), engine::max_buckets));
-    std::vector<Slot> slots(layout_.size());
-    std::vector<bool> placed(layout_.size());
+    const std::vector<engine::BucketShape> shapes = gradients_.place(plan, invalid);
     std::vector<Bucket> buckets(plan.buckets.size());
     for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
       const auto& ids = plan.buckets[b];
-      if (ids.empty()) throw invalid(fmt::format("bucket {} is empty", b));
       Bucket& bucket = buckets[b];
-      bucket.dtype = accumulation_dtype(ids.front() < layout_.size() ? layout_[ids.front()].dtype : DType::f32);
-      for (GradId id : ids) {
-        if (id >= layout_.size()) throw invalid(fmt::format("bucket {} names gradient id {}", b, id));
-        if (placed[id]) throw invalid(fmt::format("gradient {:?} is in more than one bucket", layout_[id].name));
-        if (accumulation_dtype(layout_[id].dtype) != bucket.dtype)
-          throw invalid(fmt::format("bucket {} mixes {} and {} accumulation", b, to_string(bucket.dtype),
-                                    to_string(accumulation_dtype(layout_[id].dtype))));
-        placed[id] = true;
-        slots[id] = {static_cast<std::uint32_t>(b), bucket.elements};
-        bucket.elements += layout_[id].count;
-      }
+      bucket.dtype = shapes[b].dtype;
+      bucket.elements = shapes[b].elements;
       // Over a device transport a bucket is always the transport's memory (allocate()), which
       // CudaStaged needs for its host mirrors: a device copy in and out is cheap beside a transfer.
-      bucket.in_place = ids.size() == 1 && layout_[ids.front()].dtype == bucket.dtype && !DeviceTransport<X> &&
-                        views_[ids.front()].device == Device::cpu();
+      bucket.in_place = ids.size() == 1 && gradients_.reducible_in_place(ids.front());
       if (!bucket.in_place) {
         bucket.storage = detail::TransportBuffer<X>(&transport_, bucket.elements * size_of(bucket.dtype));
         if (!DeviceTransport<X> &&
-            std::any_of(ids.begin(), ids.end(), [&](GradId id) { return views_[id].device != Device::cpu(); }))
+            std::any_of(ids.begin(), ids.end(), [&](GradId id) { return gradients_.view(id).device != Device::cpu(); }))
           bucket.pinned = detail::PinnedRange(bucket.storage.data(), bucket.elements * size_of(bucket.dtype));
       }
-      void* data = bucket.in_place ? views_[ids.front()].data : bucket.storage.data();
+      void* data = bucket.in_place ? gradients_.view(ids.front()).data : bucket.storage.data();
       if (bucket.dtype == DType::f64)
         bucket.values = std::span<double>(static_cast<double*>(data), bucket.elements);
       else
@@ -401,22 +300,13 @@ class Synchronizer {
                             ? engine::BucketExchange<C, X>(Schedule{}, codec_, bucket.dtype, false, &transport_)
                             : exchange_for(b, bucket);
     }
-    for (std::size_t id = 0; id < layout_.size(); ++id)
-      if (!placed[id]) throw invalid(fmt::format("gradient {:?} is in no bucket", layout_[id].name));
     const auto native = std::count_if(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.native_allreduce; });
     if (native > 0 && rank() == 0)
       log_line(options_.log, fmt::format("gradsync: {} of {} buckets are summed by {}'s own allreduce "
                                          "(Options::native_allreduce; false: gradsync's ring)",
                                          native, buckets.size(), transport_.describe()));
     plan_ = std::move(plan);
-    slots_ = std::move(slots);
     buckets_ = std::move(buckets);
-    pending_ = std::make_unique<std::atomic<std::uint32_t>[]>(buckets_.size());
-    for (std::size_t b = 0; b < buckets_.size(); ++b)
-      pending_[b].store(static_cast<std::uint32_t>(plan_.buckets[b].size()), std::memory_order_relaxed);
-#if GRADSYNC_HAS_CUDA
-    if constexpr (DeviceTransport<X>) default_stream_marks_ = std::make_unique<cuda::Event[]>(buckets_.size());
-#endif
     hand_to_engine();
   }
 
@@ -446,19 +336,8 @@ class Synchronizer {
       return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, traits), codec_, bucket.dtype,
                                           false, &transport_);
     }();
-    exchange.trace(timeline_.get(), static_cast<std::uint32_t>(b));
+    exchange.trace(gradients_.timeline(), static_cast<std::uint32_t>(b));
     return exchange;
-  }
-
-  // Options::timeline, or GRADSYNC_TIMELINE: where this rank's trace goes, if anywhere.
-  void open_timeline() {
-    std::string path = options_.timeline;
-    if (const char* from_env = std::getenv("GRADSYNC_TIMELINE"); path.empty() && from_env) path = from_env;
-    if (path.empty()) return;
-    std::string tag = std::to_string(transport_.rank());
-    if (group_.name != "world")
-      for (const char c : "." + group_.name) tag += std::isalnum(static_cast<unsigned char>(c)) || c == '.' ? c : '-';
-    timeline_ = std::make_unique<Timeline>(Timeline::rank_path(path, tag), transport_.rank(), options_.timeline_events);
   }
 
   void log_decisions() {
@@ -508,7 +387,7 @@ class Synchronizer {
   void communicate() {
     try {
       engine::agree_on_membership(control_);
-      engine::agree_on_layout(control_, layout_, describe_policies());
+      engine::agree_on_layout(control_, gradients_.layout(), describe_policies());
       if (options_.selective_compression && !C::identity && size() > 1) {
         costs_ = engine::calibrate(codec_, control_);
         for (std::size_t b = 0; b < buckets_.size(); ++b) buckets_[b].exchange = exchange_for(b, buckets_[b]);
@@ -566,18 +445,16 @@ class Synchronizer {
         engine_->finish();
         lock.lock();
       }
-      if (pending_[b].load(std::memory_order_acquire) == 0) break;
-      const std::int64_t first = first_ready_.load(std::memory_order_acquire);
-      const auto expected = late_reported || first == 0 ? std::nullopt : bucketing_.expected_ready(b);
+      if (gradients_.bucket_complete(b)) break;
+      const auto first = gradients_.first_ready();
+      const auto expected = late_reported || !first ? std::nullopt : bucketing_.expected_ready(b);
       if (!expected) {
         work_cv_.wait(lock);
         continue;
       }
-      const auto start = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(first));
-      if (work_cv_.wait_until(lock, start + *expected) == std::cv_status::timeout &&
-          pending_[b].load(std::memory_order_acquire) != 0) {
+      if (work_cv_.wait_until(lock, *first + *expected) == std::cv_status::timeout && !gradients_.bucket_complete(b)) {
         late_reported = true;
-        bucketing_.on_late(b, std::chrono::steady_clock::now() - start);
+        bucketing_.on_late(b, std::chrono::steady_clock::now() - *first);
       }
     }
     idle_ = false;
@@ -588,15 +465,10 @@ class Synchronizer {
   template <class V>
   void synchronize_bucket(std::size_t b, std::span<V> values, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
-    if (timeline_) bucket.traced_start = timeline_->now();
-#if GRADSYNC_HAS_CUDA
-    // The packing, or the exchange in place, follows what the default stream had queued when the
-    // bucket's gradients were marked ready (ready()).
-    if constexpr (DeviceTransport<X>) default_stream_marks_[b].order_before(transport_.cuda_stream());
-#endif
-    if (!bucket.in_place) {
+    if (Timeline* timeline = gradients_.timeline()) bucket.traced_start = timeline->now();
+    if (!bucket.in_place) {  // never over a device transport, whose packing waits for ready()'s marks
       const auto started = std::chrono::steady_clock::now();
-      for (GradId id : plan_.buckets[b]) pack(id, values.subspan(slots_[id].offset, layout_[id].count));
+      gradients_.pack(b, std::span<const GradId>(plan_.buckets[b]), values);
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
     if (engine_) return engine_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
@@ -627,14 +499,15 @@ class Synchronizer {
 #if GRADSYNC_HAS_CUDA
     if constexpr (DeviceAllreduce<X> && std::is_same_v<V, float>) {
       const auto started = std::chrono::steady_clock::now();
-      const std::int64_t traced = timeline_ ? timeline_->now() : 0;
+      Timeline* timeline = gradients_.timeline();
+      const std::int64_t traced = timeline ? timeline->now() : 0;
       try {
         transport_.allreduce(values, started + options_.timeout);
       } catch (const Error& e) {
         throw e.filled(here("allreduce", static_cast<std::uint32_t>(b)));
       }
       const auto summed = std::chrono::steady_clock::now();
-      if (timeline_) timeline_->record(Timeline::Kind::allreduce, traced, static_cast<std::uint32_t>(b), values.size_bytes());
+      if (timeline) timeline->record(Timeline::Kind::allreduce, traced, static_cast<std::uint32_t>(b), values.size_bytes());
       try {
         cuda::divide(values.data(), values.size(), static_cast<float>(group_.size()), transport_.cuda_stream());
       } catch (const Error& e) {
@@ -655,8 +528,11 @@ class Synchronizer {
 
   // Bucket `b` is averaged: its gradients get their values, then their updates run.
   void finish_bucket(std::size_t b) {
-    copy_back(b);
-    if (timeline_) timeline_->record(Timeline::Kind::bucket, buckets_[b].traced_start, static_cast<std::uint32_t>(b));
+    if (!buckets_[b].in_place)
+      std::visit([&](auto values) { gradients_.unpack(std::span<const GradId>(plan_.buckets[b]), values); },
+                 buckets_[b].values);
+    if (Timeline* timeline = gradients_.timeline())
+      timeline->record(Timeline::Kind::bucket, buckets_[b].traced_start, static_cast<std::uint32_t>(b));
     if (!update_) return;
     for (GradId id : plan_.buckets[b]) {
       try {
@@ -665,76 +541,9 @@ class Synchronizer {
         throw;
       } catch (const std::exception& e) {
         throw Error(ErrorKind::internal, here("update", static_cast<std::uint32_t>(b)),
-                    fmt::format("the update of gradient {:?} (id {}) threw: {}", layout_[id].name, id, e.what()));
+                    fmt::format("the update of gradient {:?} (id {}) threw: {}", layout()[id].name, id, e.what()));
       }
     }
-  }
-
-  // Gradient `id`'s values into its place in a bucket: with a device transport a copy (or, for a
-  // 16-bit gradient, a widening kernel) queued on its stream (after the default stream's work:
-  // synchronize_bucket), else detail::load_gradient.
-  template <class V>
-  void pack(GradId id, std::span<V> into) {
-#if GRADSYNC_HAS_CUDA
-    if constexpr (DeviceTransport<X>) {
-      const TensorView& g = views_[id];
-      if constexpr (std::is_same_v<V, float>)  // the only buckets there (check_for_device_transport)
-        if (g.dtype != DType::f32) return cuda::widen(g.data, g.dtype, into.data(), into.size(), transport_.cuda_stream());
-      return cuda::copy(into.data(), g.data, into.size_bytes(), transport_.cuda_stream());
-    }
-#endif
-    detail::load_gradient<V>(views_[id], into, staging_[id]);
-  }
-
-  // Writes bucket `b`'s averages into its gradients (nothing to do for a bucket reduced in place).
-  // With a device transport, the copies (narrowing kernels for 16-bit gradients) are queued on its
-  // stream and waited for here, so the gradients hold their averages (and the stream's work is
-  // done) when the bucket is finished.
-  void copy_back(std::size_t b) {
-    std::visit(
-        [&](auto values) {
-          using V = typename decltype(values)::value_type;
-          for (GradId id : plan_.buckets[b]) {
-            if (buckets_[b].in_place) break;
-            const auto from = std::span<const V>(values.subspan(slots_[id].offset, layout_[id].count));
-#if GRADSYNC_HAS_CUDA
-            if constexpr (DeviceTransport<X>) {
-              const TensorView& g = views_[id];
-              if constexpr (std::is_same_v<V, float>)
-                if (g.dtype != DType::f32) {
-                  cuda::narrow(from.data(), g.dtype, g.data, from.size(), transport_.cuda_stream());
-                  continue;
-                }
-              cuda::copy(g.data, from.data(), from.size_bytes(), transport_.cuda_stream());
-              continue;
-            }
-#endif
-            detail::store_gradient<V>(from, views_[id], staging_[id]);
-          }
-        },
-        buckets_[b].values);
-#if GRADSYNC_HAS_CUDA
-    if constexpr (DeviceTransport<X>) transport_.cuda_stream().synchronize();
-#endif
-  }
-
-  // add()'s checks for a device transport: the gradient is f32, f16 or bf16 (f32 buckets) in the
-  // memory of its device.
-  void check_for_device_transport(const std::string& name, const TensorView& gradient) {
-#if GRADSYNC_HAS_CUDA
-    const int device = transport_.cuda_stream().device();
-    if (gradient.device != Device::cuda(device))
-      throw Error(ErrorKind::invalid_argument, here("add"),
-                  fmt::format("gradient {:?} is on {}; over {} every gradient must be in the memory of cuda:{}",
-                              name, to_string(gradient.device), transport_.describe(), device));
-    if (accumulation_dtype(gradient.dtype) != DType::f32)
-      throw Error(ErrorKind::unsupported, here("add"),
-                  fmt::format("gradient {:?} is {}; over {} gradients are f32, f16 or bf16 (the device path "
-                              "reduces in f32 only)",
-                              name, to_string(gradient.dtype), transport_.describe()));
-#else
-    (void)name, (void)gradient;
-#endif
   }
 
   void tally(const engine::ExchangeStats& e) {
@@ -752,14 +561,8 @@ class Synchronizer {
   void end_iteration(std::uint64_t iteration) {
     stats_.iteration = iteration;
     stats_.buckets = buckets_.size();
-    const auto last_ready = std::max_element(ready_at_.begin(), ready_at_.end());
-    if (last_ready != ready_at_.end()) stats_.after_last_ready = std::chrono::steady_clock::now() - *last_ready;
-    const std::int64_t first = first_ready_.load(std::memory_order_acquire);
-    const auto start = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(first));
-    for (std::size_t id = 0; id < layout_.size(); ++id) ready_time_[id] = ready_at_[id] - start;
-    const ReadyProfile profile{iteration, layout_, ready_time_, std::span<const GradId>(order_.data(), order_size_.load()),
-                               &options_.log};
-    std::optional<BucketPlan> proposal = bucketing_.end_iteration(profile);
+    if (gradients_.size() > 0) stats_.after_last_ready = std::chrono::steady_clock::now() - gradients_.last_ready();
+    std::optional<BucketPlan> proposal = bucketing_.end_iteration(gradients_.profile(iteration, &options_.log));
     if (!bucketing_.agreement_due(iteration)) return;
     {
       std::lock_guard lock(mutex_);
@@ -774,11 +577,7 @@ class Synchronizer {
     last_stats_ = stats_;
     last_stats_.exposed = exposed;
     stats_ = {};
-    for (std::size_t id = 0; id < layout_.size(); ++id) marked_[id].store(false, std::memory_order_relaxed);
-    for (std::size_t b = 0; b < buckets_.size(); ++b)
-      pending_[b].store(static_cast<std::uint32_t>(plan_.buckets[b].size()), std::memory_order_relaxed);
-    order_size_.store(0, std::memory_order_relaxed);
-    first_ready_.store(0, std::memory_order_release);
+    gradients_.next_iteration();
     iteration_.fetch_add(1);
     done_ = false;
     ++generation_;
@@ -801,22 +600,6 @@ class Synchronizer {
     if (tell_peers) transport_.abort(e);
     failed_.store(true, std::memory_order_release);
     done_cv_.notify_all();
-  }
-
-  Error never_ready_error() const {
-    std::string missing;
-    std::size_t count = 0;
-    std::optional<std::uint32_t> bucket;
-    for (std::size_t id = 0; id < layout_.size(); ++id) {
-      if (marked_[id].load()) continue;
-      if (count++ < 5) missing += fmt::format("{}{:?} (id {})", missing.empty() ? "" : ", ", layout_[id].name, id);
-      if (!bucket) bucket = slots_[id].bucket;
-    }
-    if (count > 5) missing += fmt::format(" and {} more", count - 5);
-    return Error(ErrorKind::invalid_argument, here("wait", bucket),
-                 fmt::format("iteration {}: wait() was called with {} of {} gradients never marked ready on this "
-                             "rank: {}",
-                             iteration_.load(), count, layout_.size(), missing));
   }
 
   // The policies every rank must share, as the layout check compares them.
@@ -842,34 +625,18 @@ class Synchronizer {
   Group group_;
   engine::ControlChannel<X> control_;  // the communication thread's, for agreements between ranks
 
-  Layout layout_;
-  std::vector<TensorView> views_;
-  std::vector<detail::HostStaging> staging_;  // by gradient id: for 16-bit device gradients
-  std::function<void(GradId)> update_;         // on_averaged()'s, if set
+  // The registered gradients, their marks and their timeline. Declared before the buckets, whose
+  // exchanges record into the timeline, and the task graph, whose threads do, so that it outlives both.
+  engine::Gradients<X> gradients_;
+  std::function<void(GradId)> update_;  // on_averaged()'s, if set
 
   std::once_flag freeze_once_;
-  std::atomic<bool> frozen_{false};
+  std::atomic<bool> started_{false};  // the plan is installed and the communication thread runs
   BucketPlan plan_;
-  std::vector<Slot> slots_;      // by gradient
-  // Options::timeline: what this rank did, for the trace file. Declared before the buckets, whose
-  // exchanges record into it, and the task graph, whose threads do, so that it outlives both.
-  std::unique_ptr<Timeline> timeline_;
-  std::vector<Bucket> buckets_;  // by plan position
-
-  // Per-iteration state written by ready() (any thread) and read by the communication thread.
-  std::unique_ptr<std::atomic<std::uint32_t>[]> pending_;  // by bucket: gradients not yet ready
-  std::unique_ptr<std::atomic<bool>[]> marked_;            // by gradient
-#if GRADSYNC_HAS_CUDA
-  std::unique_ptr<cuda::Event[]> default_stream_marks_;  // by bucket, device transports: ready()'s
-#endif
-  std::vector<std::chrono::steady_clock::time_point> ready_at_;
-  std::vector<GradId> order_;
-  std::atomic<std::uint32_t> order_size_{0};
-  std::atomic<std::int64_t> first_ready_{0};  // steady_clock ticks of the iteration's first ready(); 0 = none
+  std::vector<Bucket> buckets_;              // by plan position
   std::atomic<std::uint64_t> iteration_{0};   // as the caller counts: bumped by wait()
 
   // Used by the communication thread only.
-  std::vector<Duration> ready_time_;
   IterationStats stats_;
   std::optional<engine::CostModel> costs_;  // selective compression's agreed costs, once calibrated
   std::string decisions_;                   // its decisions for the plan being installed, for the log
