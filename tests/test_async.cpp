@@ -64,7 +64,7 @@ void behind_the_others(double tolerance) {
     const int rank = t.rank();
     std::vector<float> gradient(elements);
     async::Synchronizer<C, InProcess> sync(std::move(t), {.staleness = staleness, .quorum = quorum, .timeout = 20s});
-    sync.add("w", gradient);
+    sync.add("w", view(gradient));
     for (int i = 0; i < iterations; ++i) {
       if (rank == 2 && i == 1) {
         const auto deadline = std::chrono::steady_clock::now() + 20s;
@@ -112,8 +112,12 @@ void behind_the_others(double tolerance) {
 
 TEST_SUITE("async") {
   TEST_CASE("staleness 0, quorum N, period 1 is the synchronous parameter server, bit for bit") {
-    constexpr int n = 3, iterations = 6;
+    // Several gradients, each its own bucket on the synchronous side (so its parts are cut per
+    // gradient, where the asynchronous server cuts the whole gradient), marked in reverse: the same
+    // bits only because both servers sum in group order, whichever rank serves an element.
+    constexpr int n = 4, iterations = 6;
     constexpr std::size_t elements = 1001;
+    constexpr std::size_t cuts[] = {0, 400, 401, 1001};  // gradients "a" 400, "b" 1, "c" 600
     std::vector<std::uint64_t> async_digest(n), sync_digest(n);
     const auto run = [&](bool asynchronous, std::vector<std::uint64_t>& digest) {
       const auto errors = test::run_ranks(n, [&](InProcess& t) {
@@ -121,23 +125,25 @@ TEST_SUITE("async") {
         std::vector<float> parameters = test::random_values(elements, 7), gradient(elements);
         std::optional<AsyncSync> a;
         std::optional<Synchronizer<bucketing::PerTensor, compression::None, topology::ParameterServer, InProcess>> s;
-        if (asynchronous) {
+        if (asynchronous)
           a.emplace(std::move(t), async::Options{.staleness = 0, .period = 1, .timeout = 20s});
-          a->add("w", gradient);
-          a->add_parameters(parameters);
-        } else {
+        else
           s.emplace(std::move(t), Options{.timeout = 20s});
-          s->add("w", view(gradient));
+        for (int g = 0; g < 3; ++g) {
+          const auto part = std::span(gradient).subspan(cuts[g], cuts[g + 1] - cuts[g]);
+          const std::string name(1, static_cast<char>('a' + g));
+          if (a) a->add(name, view(part)); else s->add(name, view(part));
         }
+        if (a) a->add_parameters(parameters);
         for (int i = 0; i < iterations; ++i) {
           compute_gradient(gradient, parameters, rank, i);
+          for (GradId g = 3; g-- > 0;)
+            if (a) a->ready(g); else s->ready(g);
           if (a) {
-            a->ready(0);
             a->wait();
             CHECK(a->last_step().age == 0);
             CHECK(a->last_step().local_parts == 0);
           } else {
-            s->ready(0);
             s->wait();
           }
           sgd(parameters, gradient);
@@ -156,6 +162,63 @@ TEST_SUITE("async") {
     }
   }
 
+  TEST_CASE("ranks that register different gradients or settings are each told what differs") {
+    const auto errors = test::run_ranks(3, [&](InProcess& t) {
+      const int rank = t.rank();
+      std::vector<float> a(10);
+      std::vector<std::uint16_t> b(rank == 2 ? 11 : 10);  // rank 2's is longer
+      AsyncSync sync(std::move(t), {.timeout = 10s});
+      sync.add("a", view(a));
+      sync.add("b", view(b, DType::bf16));
+      sync.ready(0);
+    });
+    for (int r = 0; r < 3; ++r) {
+      REQUIRE(errors[static_cast<std::size_t>(r)]);
+      const Error& e = *errors[static_cast<std::size_t>(r)];
+      CHECK(e.kind() == ErrorKind::mismatch);
+      CHECK(e.context().rank == r);
+      CHECK(e.detail() == R"(rank 2 differs from rank 0: gradient 1: rank 0 has "b" bf16[10] cpu, rank 2 has "b" bf16[11] cpu)");
+    }
+    const auto settings = test::run_ranks(2, [&](InProcess& t) {
+      std::vector<float> a(10);
+      AsyncSync sync(std::move(t), {.staleness = t.rank() == 0 ? 1 : 2, .timeout = 10s});
+      sync.add("a", view(a));
+      sync.wait();
+    });
+    for (const auto& e : settings) {
+      REQUIRE(e);
+      CHECK(e->kind() == ErrorKind::mismatch);
+      CHECK(e->detail().find("staleness=1") != std::string::npos);
+      CHECK(e->detail().find("staleness=2") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("16-bit gradients: averaged in f32 and stored back in their dtype") {
+    constexpr int n = 3;
+    constexpr std::size_t elements = 257;
+    const auto errors = test::run_ranks(n, [&](InProcess& t) {
+      const int rank = t.rank();
+      std::vector<std::uint16_t> gradient(elements);
+      std::vector<float> expected(elements, 0.0f);
+      for (int w = 0; w < n; ++w) {
+        const auto values = test::random_values(elements, 11u + static_cast<unsigned>(w));
+        for (std::size_t e = 0; e < elements; ++e) {
+          const std::uint16_t half = numeric::bf16_bits(values[e]);
+          if (w == rank) gradient[e] = half;
+          expected[e] += numeric::from_bf16_bits(half);
+        }
+      }
+      AsyncSync sync(std::move(t), {.timeout = 20s});
+      sync.add("g", view(gradient, DType::bf16));
+      sync.ready(0);
+      sync.wait();
+      sync.finish();
+      for (std::size_t e = 0; e < elements; ++e)
+        REQUIRE(gradient[e] == numeric::bf16_bits(expected[e] / static_cast<float>(n)));
+    });
+    for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
+  }
+
   TEST_CASE("random worker speeds: staleness never exceeds s, M-of-N uses M workers and names them, periods end equal") {
     for (const auto& [n, staleness, quorum, period] : {std::tuple{4, 2, 3, 5}, std::tuple{3, 1, 2, 3}, std::tuple{4, 0, 4, 4},
                                                      std::tuple{2, 4, 1, 0}}) {
@@ -171,7 +234,7 @@ TEST_SUITE("async") {
         std::uniform_int_distribution<int> pause_us(0, rank == n - 1 ? 3000 : 600);  // the last one is slowest
         std::vector<float> parameters = test::random_values(elements, 11), gradient(elements);
         AsyncSync sync(std::move(t), {.staleness = staleness, .quorum = quorum, .period = period, .timeout = 20s});
-        sync.add("w", gradient);
+        sync.add("w", view(gradient));
         sync.add_parameters(parameters);
         std::vector<std::int64_t> last_applied(static_cast<std::size_t>(n), -1);
         for (int i = 0; i < iterations; ++i) {
@@ -230,7 +293,7 @@ TEST_SUITE("async") {
       std::uniform_int_distribution<int> pause_us(0, rank == 0 ? 2500 : 400);
       std::vector<float> gradient(elements);
       AsyncSync sync(std::move(t), {.staleness = staleness, .timeout = 20s});
-      sync.add("w", gradient);
+      sync.add("w", view(gradient));
       std::vector<double> left(elements, 0.0);  // the sum of what every wait() left
       std::vector<std::int64_t> newest(static_cast<std::size_t>(n), -1);
       std::size_t stood_in = 0;
@@ -286,7 +349,7 @@ TEST_SUITE("async") {
       const int rank = t.rank();
       std::vector<float> gradient(100, 1.0f);
       AsyncSync sync(std::move(t), {.staleness = 1, .timeout = 2s});
-      sync.add("w", gradient);
+      sync.add("w", view(gradient));
       for (int i = 0; i < 6; ++i) {
         if (rank == 2 && i == 2) throw Error(ErrorKind::internal, {.rank = rank, .operation = "train"}, "injected failure");
         sync.ready(0);
@@ -314,7 +377,7 @@ TEST_SUITE("async") {
                                     .setup_timeout = 20s}),
                       {.staleness = 1, .quorum = quorum, .period = 2, .timeout = 20s});
         std::vector<float> parameters = test::random_values(300, 7), gradient(300);
-        sync.add("w", gradient);
+        sync.add("w", view(gradient));
         sync.add_parameters(parameters);
         for (int i = 0; i < iterations; ++i) {
           if (rank == 2 && i == 3) {
@@ -363,7 +426,7 @@ TEST_SUITE("async") {
     CHECK_THROWS_WITH_AS(AsyncSync(std::move(more[1]), {.timeout = 0s}), doctest::Contains("timeout"), Error);
     std::vector<float> gradient(10, 1.0f);
     AsyncSync alone(std::move(InProcess::create_world(1)[0]), {.timeout = 5s});
-    alone.add("w", gradient);
+    alone.add("w", view(gradient));
     alone.ready(0);
     try {
       alone.ready(0);

@@ -123,7 +123,7 @@ TEST_SUITE("timeline") {
     const auto errors = test::run_ranks(2, [&](InProcess& t) {
       std::vector<float> weight = test::random_values(3000, 5u + static_cast<unsigned>(t.rank()));
       async::Synchronizer<compression::None, InProcess> sync(std::move(t), {.staleness = 1, .timeline = path});
-      sync.add("w", weight);
+      sync.add("w", view(weight));
       for (int i = 0; i < iterations; ++i) {
         sync.ready(0);
         sync.wait();

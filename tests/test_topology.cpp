@@ -219,8 +219,8 @@ void check_pairing(const Topology& topology, int n) {
   }
 }
 
-// The parameter server's arithmetic done by hand: each part's root adds its own values (unless it
-// is a dedicated server), then the other contributors' in group order (each through the codec),
+// The parameter server's arithmetic done by hand: each part's root adds the contributors' values
+// in group order (the others' through the codec, its own as they are),
 // averages over the contributors, and the contributors get the average through the codec.
 template <class C>
 std::vector<float> ps_reference(const C& codec, const topology::ParameterServer& ps,
@@ -240,9 +240,7 @@ std::vector<float> ps_reference(const C& codec, const topology::ParameterServer&
         return C::identity || s == root ? x : compression::round_trip(codec, x);
       };
       std::optional<float> sum;
-      if (!ps.dedicated) sum = contribution(root);
-      for (int s = 0; s < contributors; ++s)
-        if (s != root) sum = sum ? *sum + contribution(s) : contribution(s);
+      for (int s = 0; s < contributors; ++s) sum = sum ? *sum + contribution(s) : contribution(s);
       const float average = *sum / static_cast<float>(contributors);
       out[e] = C::identity || n == 1 ? average : compression::round_trip(codec, average);
     }
@@ -397,13 +395,13 @@ std::vector<float> hierarchical_reference(const C& codec, int per_machine, const
 // Runs `topology` on in-process ranks, `iterations` times over the same inputs; returns every
 // rank's values and the last iteration's exchange statistics.
 template <class C, class Topology>
-std::pair<std::vector<std::vector<float>>, std::vector<engine::ExchangeStats>> run_topology(
+std::pair<std::vector<std::vector<float>>, std::vector<ExchangeStats>> run_topology(
     const C& codec, const Topology& topology, const std::vector<std::vector<float>>& inputs, int iterations = 1,
     bool receives_at_use = false) {
   const int n = static_cast<int>(inputs.size());
   const std::size_t elements = inputs[0].size();
   std::vector<std::vector<float>> outputs(static_cast<std::size_t>(n));
-  std::vector<engine::ExchangeStats> stats(static_cast<std::size_t>(n));
+  std::vector<ExchangeStats> stats(static_cast<std::size_t>(n));
   const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
     const Group group = Group::world(t.rank(), n);
     const auto r = static_cast<std::size_t>(t.rank());

@@ -105,14 +105,12 @@ std::vector<EpochReport> train(Sync& sync, Model& model, const Dataset& data, co
   std::vector<std::pair<gradsync::GradId, gradsync::GradId>> ids;  // per layer: weights, bias
   for (std::size_t l = 0; l < model.depth(); ++l) {
     const std::string name = "fc" + std::to_string(l + 1);
+    ids.emplace_back(sync.add(name + ".weight", model.weight_gradient(l)),
+                     sync.add(name + ".bias", model.bias_gradient(l)));
     if constexpr (Asynchronous<Sync>) {
       Layer& L = model.layers()[l];
-      ids.emplace_back(sync.add(name + ".weight", L.gw), sync.add(name + ".bias", L.gb));
       sync.add_parameters(L.w);
       sync.add_parameters(L.b);
-    } else {
-      ids.emplace_back(sync.add(name + ".weight", model.weight_gradient(l)),
-                       sync.add(name + ".bias", model.bias_gradient(l)));
     }
   }
   const std::size_t workers = cfg.workers ? cfg.workers : static_cast<std::size_t>(sync.size());

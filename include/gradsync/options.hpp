@@ -70,18 +70,12 @@ struct Options {
   std::size_t timeline_events = std::size_t{1} << 18;  // kept at most (40 bytes each; 1 to 2^27); later ones are dropped
 };
 
-// What the last completed iteration cost this rank.
-struct IterationStats {
-  std::uint64_t iteration = 0;
-  std::size_t buckets = 0;
+// What exchanges cost this rank: bytes sent, and time per kind of work.
+struct ExchangeStats {
   std::uint64_t bytes_sent = 0;
   // What the same sends would have been in the accumulation dtype: bytes_uncompressed / bytes_sent
   // is the compression the codec achieved on the wire.
   std::uint64_t bytes_uncompressed = 0;
-  // Time wait() spent blocked: the communication that backward did not hide.
-  std::chrono::nanoseconds exposed{0};
-  // From the last ready() to the last bucket's average: the synchronization left after backward.
-  std::chrono::nanoseconds after_last_ready{0};
   // Time computing: packing buckets, encode/decode/average steps and copying averages back (summed
   // over the threads doing it).
   std::chrono::nanoseconds compute{0};
@@ -96,9 +90,31 @@ struct IterationStats {
   std::uint64_t control_bytes = 0;
   std::chrono::nanoseconds awaiting_grant{0};
 
+  ExchangeStats& operator+=(const ExchangeStats& o) {
+    bytes_sent += o.bytes_sent;
+    bytes_uncompressed += o.bytes_uncompressed;
+    compute += o.compute;
+    waiting += o.waiting;
+    queued += o.queued;
+    in_flight += o.in_flight;
+    control_bytes += o.control_bytes;
+    awaiting_grant += o.awaiting_grant;
+    return *this;
+  }
+
   double compression_ratio() const {
     return bytes_sent ? static_cast<double>(bytes_uncompressed) / static_cast<double>(bytes_sent) : 1.0;
   }
+};
+
+// What the last completed iteration cost this rank: its exchanges, and when they ended.
+struct IterationStats : ExchangeStats {
+  std::uint64_t iteration = 0;
+  std::size_t buckets = 0;
+  // Time wait() spent blocked: the communication that backward did not hide.
+  std::chrono::nanoseconds exposed{0};
+  // From the last ready() to the last bucket's average: the synchronization left after backward.
+  std::chrono::nanoseconds after_last_ready{0};
 };
 
 // What a Synchronizer's policies can take, for checking its Options against them.

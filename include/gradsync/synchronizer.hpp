@@ -24,10 +24,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -47,6 +45,7 @@
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/gradients.hpp"
+#include "gradsync/engine/native_allreduce.hpp"
 #include "gradsync/engine/task_graph.hpp"
 #include "gradsync/options.hpp"
 #include "gradsync/timeline.hpp"
@@ -98,10 +97,8 @@ class Synchronizer {
                      .pipeline_topology = PipelineTopology<T>,
                      .device_transport = DeviceTransport<X>});
     group_.check_fits(transport_.rank(), transport_.size());
-    std::string tag = std::to_string(transport_.rank());
-    if (group_.name != "world")
-      for (const char c : "." + group_.name) tag += std::isalnum(static_cast<unsigned char>(c)) || c == '.' ? c : '-';
-    gradients_.open_timeline(options_.timeline, tag, options_.timeline_events);
+    gradients_.open_timeline(options_.timeline, Timeline::rank_tag(transport_.rank(), group_.name),
+                             options_.timeline_events, options_.log);
   }
 
  public:
@@ -123,13 +120,6 @@ class Synchronizer {
                              fmt::format("the Synchronizer was destroyed during iteration {}", iteration_.load())));
     work_cv_.notify_all();
     thread_.join();
-    if (Timeline* timeline = gradients_.timeline()) {
-      try {
-        timeline->write();
-      } catch (const Error& e) {
-        log_line(options_.log, e.what());  // a destructor must not throw
-      }
-    }
   }
 
   // Registers a gradient; ids are given out in order from 0. Every rank must register the same
@@ -347,26 +337,14 @@ class Synchronizer {
     decisions_.clear();
   }
 
-  // topology::Auto and its kind choose per bucket by the link's costs: measured here, at the first
-  // synchronization, the same on every rank (engine::calibrate_link; per level for a topology of
-  // machines, engine::calibrate_machine_links), and the buckets' schedules built again with them.
+  // topology::Auto and its kind choose per bucket by the link's costs: measured at the first
+  // synchronization (engine::measure_links) and the buckets' schedules built again with them.
   // Over a device transport the control messages the probe would time are not what buckets take,
   // so the topology's own figures stand there.
   void measure_link() {
     if constexpr (DeviceTransport<X>) return;
     if (!topology_.measure_link || size() == 1) return;
-    std::string links;
-    if constexpr (MachineLinkTopology<T>) {
-      topology_.machines(group_);  // a group that is not whole machines is told so before any probe
-      const engine::MachineLinks measured = engine::calibrate_machine_links(control_, topology_.ranks_per_machine);
-      topology_.link = measured.within;
-      topology_.link_across = measured.across;
-      links = fmt::format("links {} within a machine, {} across", describe_link(measured.within),
-                          describe_link(measured.across));
-    } else {
-      topology_.link = engine::calibrate_link(control_);
-      links = fmt::format("link {}", describe_link(topology_.link));
-    }
+    const std::string links = engine::measure_links(topology_, control_);
     std::string choices;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if (buckets_[b].native_allreduce) continue;
@@ -377,11 +355,6 @@ class Synchronizer {
     }
     hand_to_engine();
     if (rank() == 0) log_line(options_.log, fmt::format("gradsync {}: {}{}", topology_.describe(), links, choices));
-  }
-
-  static std::string describe_link(const LinkModel& link) {
-    return fmt::format("{:.1f} us + {:.3f} GB/s", link.latency * 1e6,
-                       link.seconds_per_byte > 0 ? 1e-9 / link.seconds_per_byte : 0.0);
   }
 
   void communicate() {
@@ -399,7 +372,7 @@ class Synchronizer {
           if (!wait_for_bucket(b)) return;
           std::visit([&](auto values) { synchronize_bucket(b, values, iteration); }, buckets_[b].values);
         }
-        if (engine_) tally(engine_->finish());
+        if (engine_) stats_ += engine_->finish();
         end_iteration(iteration);
         std::unique_lock lock(mutex_);
         done_ = true;
@@ -472,11 +445,9 @@ class Synchronizer {
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
     if (engine_) return engine_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
-    if (bucket.native_allreduce)
-      allreduce_natively(b, values);
-    else
-      tally(bucket.exchange.run(values, codec_, transport_,
-                                {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout}));
+    stats_ += bucket.native_allreduce ? allreduce_natively(b)
+                                      : bucket.exchange.run(values, codec_, transport_,
+                                                            {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout});
     const auto started = std::chrono::steady_clock::now();
     finish_bucket(b);
     stats_.compute += std::chrono::steady_clock::now() - started;
@@ -491,39 +462,16 @@ class Synchronizer {
       return (void)bucket, false;
   }
 
-  // Sums bucket `b` with the transport's allreduce and divides by the group on its stream; the
-  // division is the ring's average step, the same kernel. NCCL does not say what it sent: the
-  // bucket counts as a ring allreduce's bytes, 2(n-1)/n of it, uncompressed.
-  template <class V>
-  void allreduce_natively(std::size_t b, std::span<V> values) {
-#if GRADSYNC_HAS_CUDA
-    if constexpr (DeviceAllreduce<X> && std::is_same_v<V, float>) {
-      const auto started = std::chrono::steady_clock::now();
-      Timeline* timeline = gradients_.timeline();
-      const std::int64_t traced = timeline ? timeline->now() : 0;
-      try {
-        transport_.allreduce(values, started + options_.timeout);
-      } catch (const Error& e) {
-        throw e.filled(here("allreduce", static_cast<std::uint32_t>(b)));
-      }
-      const auto summed = std::chrono::steady_clock::now();
-      if (timeline) timeline->record(Timeline::Kind::allreduce, traced, static_cast<std::uint32_t>(b), values.size_bytes());
-      try {
-        cuda::divide(values.data(), values.size(), static_cast<float>(group_.size()), transport_.cuda_stream());
-      } catch (const Error& e) {
-        throw e.filled(here("average", static_cast<std::uint32_t>(b)));
-      }
-      const std::uint64_t n = static_cast<std::uint64_t>(group_.size());
-      const std::uint64_t bytes = 2 * (n - 1) * values.size_bytes() / n;
-      tally({.bytes_sent = bytes, .bytes_uncompressed = bytes, .compute = std::chrono::steady_clock::now() - summed,
-             .waiting = summed - started});
-      return;
-    }
-#endif
-    (void)values;
-    throw Error(ErrorKind::internal, here("allreduce", static_cast<std::uint32_t>(b)),
-                fmt::format("bucket {} was marked for the transport's allreduce, which {} does not have", b,
-                            transport_.describe()));
+  // Bucket `b` through the transport's own allreduce; only buckets allreduces_natively() chose.
+  ExchangeStats allreduce_natively(std::size_t b) {
+    if constexpr (DeviceAllreduce<X>)
+      return engine::allreduce_natively(transport_, std::get<std::span<float>>(buckets_[b].values), group_.size(),
+                                        options_.timeout, gradients_.timeline(),
+                                        here("allreduce", static_cast<std::uint32_t>(b)));
+    else
+      throw Error(ErrorKind::internal, here("allreduce", static_cast<std::uint32_t>(b)),
+                  fmt::format("bucket {} was marked for the transport's allreduce, which {} does not have", b,
+                              transport_.describe()));
   }
 
   // Bucket `b` is averaged: its gradients get their values, then their updates run.
@@ -546,16 +494,6 @@ class Synchronizer {
     }
   }
 
-  void tally(const engine::ExchangeStats& e) {
-    stats_.bytes_sent += e.bytes_sent;
-    stats_.bytes_uncompressed += e.bytes_uncompressed;
-    stats_.compute += e.compute;
-    stats_.waiting += e.waiting;
-    stats_.queued += e.queued;
-    stats_.in_flight += e.in_flight;
-    stats_.control_bytes += e.control_bytes;
-    stats_.awaiting_grant += e.awaiting_grant;
-  }
 
   // Hands this iteration's timings to the bucketing policy and, when due, agrees a new plan.
   void end_iteration(std::uint64_t iteration) {

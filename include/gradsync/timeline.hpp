@@ -23,6 +23,7 @@
 // be merged into one trace (their traceEvents concatenated; each rank is its own process, pid =
 // rank); ranks on different machines have different clocks.
 
+#include <cctype>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -59,6 +60,17 @@ class Timeline {
     constexpr std::string_view suffix = ".json";
     if (path.ends_with(suffix)) path.remove_suffix(suffix.size());
     return fmt::format("{}.{}.json", path, tag);
+  }
+
+  // The tag of `rank`'s file: the rank, then the group's name (letters, digits and dots; anything
+  // else a dash) for a group other than the world.
+  static std::string rank_tag(int rank, std::string_view group) {
+    std::string tag = std::to_string(rank);
+    if (group != "world") {
+      tag += '.';
+      for (const char c : group) tag += std::isalnum(static_cast<unsigned char>(c)) || c == '.' ? c : '-';
+    }
+    return tag;
   }
 
   // Nanoseconds on the machine's monotonic clock.

@@ -54,8 +54,8 @@
 // rule lost more than the share (examples/fmnist/results/README.md has the runs).
 //
 // A server closes iteration t of its part when M = `quorum` pushes of iteration t have arrived:
-// it sums them in a fixed order (its own worker's first if it is among them, then the others in
-// group order), divides by M, encodes the result once and keeps that encoding, with which workers
+// it sums them in group order (as topology::ParameterServer's roots do: an element's sum does not
+// depend on which rank serves it), divides by M, encodes the result once and keeps that encoding, with which workers
 // it used, for the pulls. It keeps the last few (N + 2 (staleness + 2)) for workers that pull
 // behind the others; a worker that falls further behind than that gets the oldest one kept, and
 // StepReport::skipped_globals counts what it missed. A pull that finds several global gradients
@@ -68,9 +68,10 @@
 // most staleness + 1 are open at once: the server's buffers are sized for that.
 //
 // With staleness 0 and quorum N (any period) every wait() applies exactly g_t, and with period 1
-// the result is, bit for bit, the synchronous parameter server's (topology::ParameterServer, co-located, identity codec): the same sums in the same
-// order, the same division; the period average of identical parameters is accumulated in f64 and
-// so gives them back unchanged. (With a lossy codec a server's own worker's part is encoded too,
+// the result is, bit for bit, the synchronous parameter server's (topology::ParameterServer,
+// co-located, identity codec, any bucketing): every element summed in group order, the same
+// division; the period average of identical parameters is accumulated in f64 and so gives them
+// back unchanged. (With a lossy codec a server's own worker's part is encoded too,
 // where the synchronous server adds its raw values.)
 //
 // Every rank calls finish() after its last wait(): servers keep answering until every worker has
@@ -90,8 +91,13 @@
 // every push, pull, reply, parameter and average message as a transfer from posting to completion
 // (its "bucket" is the part it carries); the encodes and decodes of pushes and global gradients.
 //
+// Gradients are registered as the Synchronizer's are (engine::Gradients: add(name, TensorView),
+// f32 or f16/bf16 averaged in f32, host or CUDA memory staged through the host), and the ranks
+// check at the first ready() or wait() that they registered the same gradients, parameters and
+// settings (engine::agree_on_layout): each is told what differs.
+//
 // Not yet: dedicated servers and partition counts other than N (a dead rank's part could then
-// move to a live server); f16/bf16/f64 gradients.
+// move to a live server); f64 gradients; a bucketing policy (one bucket, pushed once backward is done).
 
 #include <algorithm>
 #include <atomic>
@@ -117,6 +123,8 @@
 #include "gradsync/detail/aligned_buffer.hpp"
 #include "gradsync/detail/settings.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
+#include "gradsync/engine/control.hpp"
+#include "gradsync/engine/gradients.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/error.hpp"
 #include "gradsync/schedule.hpp"
@@ -164,7 +172,8 @@ class Synchronizer final : private transport::CompletionSink {
         codec_(std::move(codec)),
         group_(Group::world(transport_.rank(), transport_.size())),
         n_(group_.size()),
-        quorum_(options.quorum == 0 ? n_ : options.quorum) {
+        quorum_(options.quorum == 0 ? n_ : options.quorum),
+        gradients_(transport_) {
     if (options_.staleness < 0 || quorum_ < 1 || quorum_ > n_ || options_.period < 0)
       throw Error(ErrorKind::invalid_argument, here("options"),
                   fmt::format("staleness {} (>= 0), quorum {} (0 or 1..{}) and period {} (>= 0) do not fit",
@@ -177,6 +186,8 @@ class Synchronizer final : private transport::CompletionSink {
                           "async::Options", "timeline_events", options_.timeline_events,
                           fmt::format("between 1 and {}", Timeline::max_capacity));
     detail::validate_policy(codec_);
+    gradients_.open_timeline(options_.timeline, fmt::format("{}.async", transport_.rank()), options_.timeline_events,
+                             log_to_stderr);
   }
 
   Synchronizer(const Synchronizer&) = delete;
@@ -204,13 +215,6 @@ class Synchronizer final : private transport::CompletionSink {
       } catch (const Error&) {
       }
     }
-    if (timeline_) {
-      try {
-        timeline_->write();
-      } catch (const Error& e) {
-        std::fprintf(stderr, "gradsync: %s\n", e.what());  // a destructor must not throw
-      }
-    }
   }
 
   // Ends training on this rank: tells every server so, and keeps serving this rank's part until
@@ -233,13 +237,16 @@ class Synchronizer final : private transport::CompletionSink {
     finished_ = true;
   }
 
-  // Registers an f32 gradient, in the same order on every rank, before the first ready().
-  GradId add(std::string name, std::span<float> gradient) {
-    if (thread_.joinable())
-      throw Error(ErrorKind::invalid_argument, here("add"), fmt::format("{:?} registered after the first ready()", name));
-    gradients_.push_back(gradient);
-    names_.push_back(std::move(name));
-    return static_cast<GradId>(gradients_.size() - 1);
+  // Registers a gradient (f32, or f16/bf16 averaged in f32; in host or CUDA device memory, staged
+  // through host memory) in the same order on every rank, before the first ready() or wait(). The
+  // ranks check at the first of those that they registered the same gradients and settings.
+  GradId add(std::string name, TensorView gradient) {
+    if (accumulation_dtype(gradient.dtype) != DType::f32)
+      throw Error(ErrorKind::unsupported, here("add"),
+                  fmt::format("gradient {:?} is {}; the asynchronous parameter server averages f32, f16 and bf16 "
+                              "gradients (in f32)",
+                              name, to_string(gradient.dtype)));
+    return gradients_.add(std::move(name), gradient);
   }
 
   // Registers parameters for the period average (f32, the same sizes in the same order on every
@@ -253,16 +260,7 @@ class Synchronizer final : private transport::CompletionSink {
   // Marks gradient `id` as holding this iteration's local value; the last one starts the push.
   void ready(GradId id) {
     if (!thread_.joinable()) start();
-    if (id >= gradients_.size())
-      throw Error(ErrorKind::invalid_argument, here("ready"),
-                  fmt::format("no gradient has id {} ({} registered)", id, gradients_.size()));
-    if (marked_[id].exchange(1, std::memory_order_acq_rel))
-      throw Error(ErrorKind::invalid_argument, here("ready"),
-                  fmt::format("gradient {:?} (id {}) was marked ready twice in one iteration; call wait() before "
-                              "starting the next",
-                              names_[id], id));
-    if (timeline_) timeline_->record(Timeline::Kind::ready, Timeline::now(), 0, id);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) wake_thread();
+    if (gradients_.mark(id, iteration_).bucket_complete) wake_thread();
   }
 
   // Leaves in the gradients what this iteration applies, part by part (see the top of this file),
@@ -281,12 +279,11 @@ class Synchronizer final : private transport::CompletionSink {
                               options_.staleness));
     if (!thread_.joinable()) start();
     const auto started = Clock::now();
-    const std::int64_t traced_start = timeline_ ? Timeline::now() : 0;
+    Timeline* timeline = gradients_.timeline();
+    const std::int64_t traced_start = timeline ? Timeline::now() : 0;
     std::unique_lock lock(mutex_);
     const std::uint64_t t = iteration_;
-    if (pending_.load(std::memory_order_acquire) != 0)
-      throw Error(ErrorKind::invalid_argument, here("wait"),
-                  fmt::format("iteration {}: {} gradient(s) not marked ready", t, pending_.load()));
+    if (!gradients_.all_marked()) throw gradients_.never_ready(t);
     if (period_due_)
       throw Error(ErrorKind::invalid_argument, here("wait"),
                   fmt::format("iteration {}: parameters_updated() was not called at the end of the period", t));
@@ -294,7 +291,7 @@ class Synchronizer final : private transport::CompletionSink {
                               [&] { return error_ || (pushed_ > t && applicable(t, staleness)); }))
       throw too_old(t, staleness);
     if (error_) throw *error_;
-    if (timeline_) timeline_->record(Timeline::Kind::wait, traced_start, 0, t);
+    if (timeline) timeline->record(Timeline::Kind::wait, traced_start, 0, t);
     report_.iteration = t;
     report_.blocked = Clock::now() - started;
     report_.age = 0;
@@ -306,15 +303,14 @@ class Synchronizer final : private transport::CompletionSink {
     }
     report_.skipped_globals = skipped_;
     report_.summed_replies = summed_received_;
-    scatter(flat_, gradients_);
-    for (auto& marked : marked_) marked.store(0, std::memory_order_relaxed);
+    gradients_.unpack(every_gradient_, std::span(flat_));
+    gradients_.next_iteration();
     report_.dropped_pushes = dropped_;
     report_.lost_workers = lost_;
     report_.bytes_sent = sent_ - sent_reported_;
     sent_reported_ = sent_;
     ++iteration_;
     period_due_ = options_.period > 0 && iteration_ % static_cast<std::uint64_t>(options_.period) == 0;
-    pending_.store(gradients_.size(), std::memory_order_release);
     lock.unlock();
     wake_thread();  // the next iteration's gradients may already be ready
   }
@@ -413,8 +409,18 @@ class Synchronizer final : private transport::CompletionSink {
 
   // Sizes everything at the first ready() or wait(), once the gradients are known.
   void start() {
-    std::size_t total = 0, parameter_total = 0, biggest = 0;
-    for (auto g : gradients_) total += g.size();
+    if (error_) throw *error_;  // the layout check failed at an earlier call
+    if (gradients_.size() == 0)
+      throw Error(ErrorKind::invalid_argument, here("ready"), "no gradients registered: add() them before the first ready() or wait()");
+    check_layout();
+    gradients_.freeze();
+    BucketPlan plan{.buckets = {{}}};
+    for (GradId id = 0; id < gradients_.size(); ++id) plan.buckets[0].push_back(id);
+    const std::size_t total = gradients_.place(plan, [&](std::string why) {
+      return Error(ErrorKind::internal, here("plan"), why);
+    })[0].elements;
+    every_gradient_ = std::move(plan.buckets[0]);
+    std::size_t parameter_total = 0, biggest = 0;
     for (auto q : parameters_) parameter_total += q.size();
     flat_.assign(total, 0.0f);
     parameter_flat_.assign(parameter_total, 0.0f);
@@ -480,9 +486,6 @@ class Synchronizer final : private transport::CompletionSink {
     report_.applied.assign(per_peer, -1);
     report_.contributors.assign(per_peer, 0);
     posted_at_.assign(requests_.size(), 0);
-    open_timeline();
-    marked_ = std::vector<std::atomic<std::uint8_t>>(gradients_.size());
-    pending_.store(gradients_.size(), std::memory_order_release);
     thread_ = std::thread([this] { run(); });
   }
 
@@ -608,7 +611,7 @@ class Synchronizer final : private transport::CompletionSink {
       return;
     }
     posted_[i] = 1;
-    if (timeline_) posted_at_[i] = Timeline::now();
+    if (gradients_.timeline()) posted_at_[i] = Timeline::now();
     if (is_send && peer != group_.rank) sent_ += bytes.size();  // what goes to itself crosses no link
   }
 
@@ -699,7 +702,7 @@ class Synchronizer final : private transport::CompletionSink {
       return;
     }
     posted_[i] = 0;
-    if (timeline_) trace_transfer(site, peer, i, bytes);
+    if (gradients_.timeline()) trace_transfer(site, peer, i, bytes);
     switch (site) {
       case push_received:
         contribute(peer, whole(received_pushes_[peer]).first(bytes));
@@ -737,24 +740,34 @@ class Synchronizer final : private transport::CompletionSink {
     }
   }
 
-  // ---- timeline ----
+  // ---- the layout check and the timeline ----
 
-  // Options::timeline, or GRADSYNC_TIMELINE: this rank's trace file, "async" after the rank (a
-  // synchronous Synchronizer of the same process writes the rank's own).
-  void open_timeline() {
-    std::string path = options_.timeline;
-    if (const char* from_env = std::getenv("GRADSYNC_TIMELINE"); path.empty() && from_env) path = from_env;
-    if (path.empty()) return;
-    timeline_ = std::make_unique<Timeline>(Timeline::rank_path(path, fmt::format("{}.async", transport_.rank())),
-                                           transport_.rank(), options_.timeline_events);
-    timeline_->name_gradients(names_);
+  // Every rank registered the same gradients and parameters, with the same settings, or each is
+  // told what differs (engine::agree_on_layout), before anything is sized by them. A failure is
+  // kept: every later call throws it.
+  void check_layout() {
+    std::string parameters;
+    for (auto q : parameters_) parameters += fmt::format("{}{}", parameters.empty() ? "" : ",", q.size());
+    const std::string policies =
+        fmt::format("asynchronous parameter server: codec={} transport={} world={} staleness={} quorum={} period={} "
+                    "parameters=[{}]",
+                    codec_.describe(), transport_.describe(), n_, options_.staleness, quorum_, options_.period,
+                    parameters);
+    try {
+      engine::ControlChannel<X> control(transport_, group_, options_.timeout);
+      engine::agree_on_membership(control);
+      engine::agree_on_layout(control, gradients_.layout(), policies);
+    } catch (const Error& e) {
+      error_ = e;
+      throw;
+    }
   }
 
-  std::int64_t trace_start() const noexcept { return timeline_ ? Timeline::now() : 0; }
+  std::int64_t trace_start() const noexcept { return gradients_.timeline() ? Timeline::now() : 0; }
 
   // An encode or decode of part p's `elements` values that began at `start`.
   void trace_compute(Timeline::Kind kind, std::int64_t start, int p, std::size_t elements) {
-    if (timeline_) timeline_->record(kind, start, static_cast<std::uint32_t>(p), elements);
+    if (Timeline* timeline = gradients_.timeline()) timeline->record(kind, start, static_cast<std::uint32_t>(p), elements);
   }
 
   // A completed request, from its posting: its "bucket" is the part the message carries (the
@@ -764,7 +777,7 @@ class Synchronizer final : private transport::CompletionSink {
                            site == parameters_sent || site == average_received;
     const bool sent = site == push_sent || site == pull_sent || site == reply_sent || site == parameters_sent ||
                       site == average_sent || site == done_sent;
-    timeline_->record(sent ? Timeline::Kind::send : Timeline::Kind::recv, posted_at_[i],
+    gradients_.timeline()->record(sent ? Timeline::Kind::send : Timeline::Kind::recv, posted_at_[i],
                       static_cast<std::uint32_t>(as_worker ? peer : group_.rank), bytes, group_.members[peer]);
   }
 
@@ -796,10 +809,10 @@ class Synchronizer final : private transport::CompletionSink {
   // Once every gradient of the trainer's iteration is ready, copies them out and encodes and sends
   // each part as soon as its previous push has left.
   void push_due_parts() {
-    if (pushed_ > iteration_ || pending_.load(std::memory_order_acquire) != 0) return;
+    if (pushed_ > iteration_ || !gradients_.bucket_complete(0)) return;
     const std::uint64_t t = iteration_;
     if (!copied_) {
-      gather(gradients_, flat_);
+      gradients_.pack(0, every_gradient_, std::span(flat_));
       copied_ = true;
     }
     bool all = true;
@@ -917,8 +930,8 @@ class Synchronizer final : private transport::CompletionSink {
       close(static_cast<std::uint64_t>(closed_ + 1));
   }
 
-  // Iteration t's global gradient of the served part: the first `quorum` pushes summed, this
-  // rank's own first, then the others in group order; divided by the quorum; encoded once.
+  // Iteration t's global gradient of the served part: the first `quorum` pushes to arrive, summed
+  // in group order (as topology::ParameterServer's roots do), divided by the quorum, encoded once.
   void close(std::uint64_t t) {
     const std::size_t own = parts_[group_.rank].size();
     const std::size_t base = (t % window_) * static_cast<std::size_t>(n_);
@@ -935,9 +948,7 @@ class Synchronizer final : private transport::CompletionSink {
       used |= std::uint64_t{1} << w;
       ++taken;
     };
-    take(group_.rank);
-    for (int w = 0; w < n_; ++w)
-      if (w != group_.rank) take(w);
+    for (int w = 0; w < n_; ++w) take(w);
     const auto divisor = static_cast<float>(quorum_);
     for (float& v : sum_) v /= divisor;
     // The oldest slot no reply reads: at most N replies are in flight, and there are more slots.
@@ -1091,8 +1102,10 @@ class Synchronizer final : private transport::CompletionSink {
   Group group_;
   int n_;
   int quorum_;
-  std::vector<std::span<float>> gradients_;
-  std::vector<std::string> names_;  // for messages
+  // The registered gradients, their marks and the timeline (set before the thread: read by both
+  // sides); one bucket holds them all, in registration order: flat_.
+  engine::Gradients<X> gradients_;
+  std::vector<GradId> every_gradient_;
   std::vector<std::span<float>> parameters_;
   std::thread thread_;
 
@@ -1100,8 +1113,6 @@ class Synchronizer final : private transport::CompletionSink {
   std::mutex mutex_;
   std::condition_variable state_cv_;
   std::optional<Error> error_;
-  std::atomic<std::size_t> pending_{0};  // gradients of this iteration not ready yet
-  std::vector<std::atomic<std::uint8_t>> marked_;  // per gradient: ready() called this iteration
   std::uint64_t iteration_ = 0;          // the trainer's
   std::uint64_t pushed_ = 0;             // iterations whose pushes have all been encoded
   bool period_due_ = false, averaging_ = false;
@@ -1111,7 +1122,6 @@ class Synchronizer final : private transport::CompletionSink {
   int dead_count_ = 0;
   std::uint64_t lost_ = 0;               // dead_ as a mask
   StepReport report_;
-  std::unique_ptr<Timeline> timeline_;  // set in start(), before the thread: read by both sides
 
   // The thread's inbox.
   std::mutex events_mutex_;

@@ -299,6 +299,27 @@ MachineLinks calibrate_machine_links(ControlChannel<X>& control, int ranks_per_m
           .across = {.latency = agreed[2], .seconds_per_byte = agreed[3]}};
 }
 
+// topology::Auto and its kind choose per bucket by the link's costs: measures them (per level for
+// a topology of machines) into `topology`, the same on every rank, and says what it measured, for
+// the log. Call from every rank of the control channel's group at once.
+template <LinkAwareTopology T, TransportPolicy X>
+std::string measure_links(T& topology, ControlChannel<X>& control) {
+  const auto describe = [](const LinkModel& link) {
+    return fmt::format("{:.1f} us + {:.3f} GB/s", link.latency * 1e6,
+                       link.seconds_per_byte > 0 ? 1e-9 / link.seconds_per_byte : 0.0);
+  };
+  if constexpr (MachineLinkTopology<T>) {
+    topology.machines(control.group());  // a group that is not whole machines is told so before any probe
+    const MachineLinks measured = calibrate_machine_links(control, topology.ranks_per_machine);
+    topology.link = measured.within;
+    topology.link_across = measured.across;
+    return fmt::format("links {} within a machine, {} across", describe(measured.within), describe(measured.across));
+  } else {
+    topology.link = calibrate_link(control);
+    return fmt::format("link {}", describe(topology.link));
+  }
+}
+
 // A bucket's schedule as selective compression chooses it: compressed or not, its segments cut
 // into the predicted best number of pieces; `explanation` says what was chosen and why, for the log.
 struct ChosenSchedule {

@@ -52,6 +52,7 @@
 #include "gradsync/detail/aligned_buffer.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/tag.hpp"
+#include "gradsync/options.hpp"
 #include "gradsync/timeline.hpp"
 #include "gradsync/version.hpp"
 #if GRADSYNC_HAS_CUDA
@@ -74,31 +75,6 @@ struct ExchangeContext {
   std::uint64_t iteration;
   std::uint32_t bucket;
   std::chrono::milliseconds timeout;
-};
-
-// What running exchanges cost: bytes sent, the bytes those sends would have been in the
-// accumulation dtype (so their ratio is the compression achieved), and time, per kind of work.
-struct ExchangeStats {
-  std::uint64_t bytes_sent = 0;
-  std::uint64_t bytes_uncompressed = 0;
-  std::chrono::nanoseconds compute{0};    // encode, decode, average (and, in the engine, copy back)
-  std::chrono::nanoseconds waiting{0};    // serial executor: blocked waiting for the transport
-  std::chrono::nanoseconds queued{0};     // task graph: compute tasks ready but waiting for a thread
-  std::chrono::nanoseconds in_flight{0};  // task graph: time with at least one transfer in flight
-  std::uint64_t control_bytes = 0;            // coordination: report and grant messages sent
-  std::chrono::nanoseconds awaiting_grant{0};  // coordination: time sends waited for their grant (summed)
-
-  ExchangeStats& operator+=(const ExchangeStats& o) {
-    bytes_sent += o.bytes_sent;
-    bytes_uncompressed += o.bytes_uncompressed;
-    compute += o.compute;
-    waiting += o.waiting;
-    queued += o.queued;
-    in_flight += o.in_flight;
-    control_bytes += o.control_bytes;
-    awaiting_grant += o.awaiting_grant;
-    return *this;
-  }
 };
 
 constexpr bool is_transfer(Step::Op op) noexcept { return op == Step::Op::send || op == Step::Op::recv; }

@@ -34,6 +34,7 @@
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/device_gradients.hpp"
 #include "gradsync/error.hpp"
+#include "gradsync/log.hpp"
 #include "gradsync/plan.hpp"
 #include "gradsync/timeline.hpp"
 #include "gradsync/types.hpp"
@@ -59,6 +60,16 @@ class Gradients {
 
   Gradients(const Gradients&) = delete;
   Gradients& operator=(const Gradients&) = delete;
+
+  // Writes the timeline, if there is one: destroy this only once nothing records into it.
+  ~Gradients() {
+    if (!timeline_) return;
+    try {
+      timeline_->write();
+    } catch (const Error& e) {
+      log_line(log_, e.what());  // a destructor must not throw
+    }
+  }
 
   // Registers a gradient, with the checks every synchronizer needs; ids are given out from 0. A
   // gradient in CUDA device memory is staged through host memory (detail/device_gradients.hpp), or
@@ -87,11 +98,13 @@ class Gradients {
   bool frozen() const noexcept { return frozen_.load(std::memory_order_acquire); }
 
   // Options' timeline path, else GRADSYNC_TIMELINE: this rank's trace file, `tag` naming it
-  // (Timeline::rank_path). Call before freeze(), which names the gradients on it.
-  void open_timeline(std::string path, std::string_view tag, std::size_t events) {
+  // (Timeline::rank_path), written on destruction (a failure to `log`). Call before freeze(), which
+  // names the gradients on it.
+  void open_timeline(std::string path, std::string_view tag, std::size_t events, LogSink log) {
     if (const char* from_env = std::getenv("GRADSYNC_TIMELINE"); path.empty() && from_env) path = from_env;
     if (path.empty()) return;
     timeline_ = std::make_unique<Timeline>(Timeline::rank_path(path, tag), transport_.rank(), events);
+    log_ = std::move(log);
   }
   Timeline* timeline() const noexcept { return timeline_.get(); }
 
@@ -318,6 +331,7 @@ class Gradients {
   std::vector<detail::HostStaging> staging_;  // by gradient: for 16-bit device gradients
   std::atomic<bool> frozen_{false};
   std::unique_ptr<Timeline> timeline_;
+  LogSink log_;  // where a timeline that cannot be written says so
 
   std::vector<Slot> slots_;                  // by gradient
   std::vector<std::uint32_t> bucket_sizes_;  // by bucket: its gradients

@@ -362,7 +362,7 @@ class SparseExchange {
       std::copy_n(machine_set_.values.data() + i * dim, dim, row);
       row[dim] = static_cast<float>(machine_set_.counts[i]);
     }
-    const engine::ExchangeStats stats = dense_exchange_.run(
+    const ExchangeStats stats = dense_exchange_.run(
         std::span(dense_), compression::None{}, world_,
         {.group = leaders_, .iteration = step, .bucket = engine::sparse_bucket, .timeout = options_.timeout});
     step_set_.clear();

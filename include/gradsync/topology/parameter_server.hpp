@@ -17,9 +17,9 @@
 //
 // With a codec that is not the identity, a contribution travels encoded and the root decodes and
 // adds it; the root encodes the average once, decodes its own encoding (so it ends with the bits
-// everyone else receives) and sends the same bytes to all. Only the root sums a part, in a fixed
-// order — its own values (co-located), then the contributions in group order — so every rank ends
-// with the same bits.
+// everyone else receives) and sends the same bytes to all. Only the root sums a part, in group
+// order with its own values (raw, co-located) at their place, so every rank ends with the same
+// bits, and an element's sum does not depend on which rank serves it.
 //
 // A bucket smaller than the partition count leaves some parts empty; they send nothing. Parts are
 // further cut into pieces of at most `chunk_elements`, each its own message, so that a root adds
@@ -99,8 +99,9 @@ struct ParameterServer {
       out.steps.push_back(step);
       return static_cast<std::uint32_t>(out.steps.size() - 1);
     };
-    const auto new_slot = [&](ElemRange piece) {
+    const auto new_slot = [&](ElemRange piece, bool raw = false) {
       out.slot_elements.push_back(piece.size());
+      out.slot_raw.push_back(raw);
       return static_cast<std::uint32_t>(out.slot_elements.size() - 1);
     };
     const std::size_t max_pieces = (Ring::segment(elements, static_cast<int>(parts), 0).size() + chunk - 1) / chunk;
@@ -154,22 +155,35 @@ struct ParameterServer {
             add({.op = Step::Op::send, .peer = root_p, .message = message(0, p, j), .range = piece, .slot = slot}));
       });
     }
-    // Roots: add each contribution as it arrives (a dedicated root starts from the first one
-    // instead of its own values), average, and send the result to every contributor.
+    // Roots: sum the contributions in group order, their own values (co-located) at their place
+    // in it, average, and send the result to every contributor. A root other than group rank 0
+    // first sets its own values aside in a raw slot. The order does not depend on which rank
+    // serves a part, so an element's average has the same bits however the parts are cut (another
+    // bucketing's buckets, async::Synchronizer's parts of the whole gradient).
     for (std::size_t p = 0; p < parts; ++p) {
       if (!roots(p)) continue;
       const int root_p = root(group, p);
       std::size_t next = 0;
       for_pieces(p, [&](std::size_t j, ElemRange piece) {
-        bool first = !contributes(root_p);
-        for (int s = 0; s < n; ++s)
-          if (s != root_p && contributes(s)) {
-            const std::uint32_t recv = incoming[p][next++];
-            add({.op = std::exchange(first, false) ? Step::Op::decode_copy : Step::Op::decode_add,
-                 .range = piece,
-                 .slot = out.steps[recv].slot,
-                 .after = recv});
+        bool first = true;
+        std::uint32_t own = no_slot;
+        if (contributes(root_p) && root_p > 0) {
+          own = new_slot(piece, true);
+          add({.op = Step::Op::encode, .range = piece, .slot = own});
+        }
+        for (int s = 0; s < n; ++s) {
+          if (!contributes(s)) continue;
+          if (s == root_p) {
+            if (!std::exchange(first, false))  // at the start, the values are already in place
+              add({.op = Step::Op::decode_add, .range = piece, .slot = own});
+            continue;
           }
+          const std::uint32_t recv = incoming[p][next++];
+          add({.op = std::exchange(first, false) ? Step::Op::decode_copy : Step::Op::decode_add,
+               .range = piece,
+               .slot = out.steps[recv].slot,
+               .after = recv});
+        }
         add({.op = Step::Op::average, .range = piece});
         std::uint32_t slot = no_slot;
         if (!identity) {
