@@ -5,10 +5,15 @@
 //   gradsync-run -n 4 ctr [--epochs E] [--batch B] [--lr R] [--sparse-lr R] [--optimizer sgd|adagrad]
 //                         [--dim D] [--rows N] [--hidden 64] [--averaging occurrence|world-size|none]
 //                         [--table shared|replicated] [--min-class N] [--steps S] [--data FILE] [--json PATH] [--seed N]
+//                         [--bucketing fixed-size|time-clustered] [--codec none|ef-two-bit] [--threshold T]
+//                         [--topology ring|hierarchical]
 //
 // One process per rank, placed by the launcher's variables; run without a launcher it trains
-// alone. The MLP's gradients are averaged by a Synchronizer over the whole job; the rows' gradients
-// go through sparse::SparseExchange, which updates every machine's table. Rank 0 prints progress
+// alone. The MLP's gradients are averaged by a Synchronizer over the whole job, with the bucketing,
+// codec and topology the options pick (the first and fourth source documents' methods beside the
+// fifth's); the rows' gradients go through sparse::SparseExchange, which updates every machine's
+// table. Each choice is a Synchronizer type compiled into this program, so the choices are the few
+// that show the methods composed (fmnist takes every codec). Rank 0 prints progress
 // and each epoch's test accuracy; --json also records one table's bytes and the memory (Pss) of
 // rank 0's machine's trainers at the end, which is what holding the table once per machine saves.
 
@@ -44,8 +49,6 @@ namespace {
 namespace gs = gradsync;
 namespace tk = gradsync::toolkit;
 
-using DenseSync = gs::Synchronizer<gs::bucketing::FixedSize, gs::compression::None, gs::topology::Ring,
-                                   gs::transport::Borrowed<tk::JobTransport>>;
 using Exchange = gs::sparse::SparseExchange<tk::JobTransport>;
 
 constexpr auto timeout = std::chrono::minutes(2);
@@ -66,6 +69,10 @@ struct Options {
   std::string data;           // empty: apt-cache dumpavail
   std::string json;
   std::uint64_t seed = 1;
+  std::string bucketing = "fixed-size";
+  std::string codec = "none";
+  std::string topology = "ring";
+  float threshold = 0.1f;  // ef-two-bit's: fits this MLP's gradients (results/composed/: 0.5, TwoBit's default, loses 2.5 points)
 };
 
 void declare_options(CLI::App& app, Options& o) {
@@ -86,6 +93,14 @@ void declare_options(CLI::App& app, Options& o) {
                  {"shared", "replicated"});
   tk::add_number(app, "--min-class", o.min_class, "packages a section needs to be a class", {.low = 1});
   tk::add_number(app, "--steps", o.max_steps, "steps per epoch (0: the whole training set)");
+  tk::add_choice(app, "--bucketing", o.bucketing, "how the MLP's gradients are packed into buckets",
+                 {"fixed-size", "time-clustered"});
+  tk::add_choice(app, "--codec", o.codec, "the MLP's gradients' codec", {"none", "ef-two-bit"});
+  tk::add_number(app, "--threshold", o.threshold, "ef-two-bit's threshold: values at or beyond it travel as it",
+                 {.low = 0, .low_open = true});
+  tk::add_choice(app, "--topology", o.topology,
+                 "the MLP's allreduce: one ring over every rank, or within machines and then across them",
+                 {"ring", "hierarchical"});
   app.add_option("--data", o.data, "a package index as apt-cache dumpavail prints it (default: run it)");
   app.add_option("--json", o.json, "also write the results as JSON to this file");
   tk::add_number(app, "--seed", o.seed, "seeds the model, the table's initial rows and the shuffling");
@@ -111,6 +126,7 @@ struct EpochReport {
 // through the exchange (which returns once this machine's table is updated), then the MLP's
 // average and its SGD step. Only rank 0 evaluates: the other ranks wait for it in the next step's
 // exchange, so no table is written while it reads.
+template <class DenseSync>
 std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, DenseSync& sync, Exchange& exchange,
                                gs::sparse::EmbeddingTable& table, ctr::Model& model) {
   std::vector<std::pair<gs::GradId, gs::GradId>> ids;  // per layer: weights, bias
@@ -265,6 +281,29 @@ std::vector<long> machine_trainers(gs::transport::SharedMemory& machine) {
   return pids;
 }
 
+// Calls f(sync) with the dense Synchronizer the options pick, over `world` borrowed.
+template <class F>
+void with_dense_sync(const Options& o, tk::JobTransport& world, F&& f) {
+  using Borrowed = gs::transport::Borrowed<tk::JobTransport>;
+  const auto with_topology = [&]<class Bucketing, class Codec>(Bucketing bucketing, Codec codec) {
+    const gs::Options options{.timeout = timeout};
+    if (o.topology == "hierarchical") {
+      gs::Synchronizer<Bucketing, Codec, gs::topology::Hierarchical, Borrowed> sync(
+          Borrowed(world), options, bucketing, codec, {.ranks_per_machine = world.local_size()});
+      return f(sync);
+    }
+    gs::Synchronizer<Bucketing, Codec, gs::topology::Ring, Borrowed> sync(Borrowed(world), options, bucketing, codec);
+    f(sync);
+  };
+  const auto with_codec = [&](auto bucketing) {
+    if (o.codec == "ef-two-bit")
+      return with_topology(bucketing, gs::compression::ErrorFeedback<gs::compression::TwoBit>{{.threshold = o.threshold}});
+    with_topology(bucketing, gs::compression::None{});
+  };
+  if (o.bucketing == "time-clustered") return with_codec(gs::bucketing::TimeClustered{});
+  with_codec(gs::bucketing::FixedSize{});
+}
+
 gs::sparse::Averaging averaging_named(const std::string& name) {
   if (name == "world-size") return gs::sparse::Averaging::world_size;
   if (name == "none") return gs::sparse::Averaging::none;
@@ -303,15 +342,17 @@ int run(const Options& o) {
   // No key_space: the keys are whole 64-bit hashes, so the machines always exchange sparse sets.
   Exchange exchange(world, gs::Group::world(world.rank(), world.size()), replicated ? 1 : world.local_size(), table,
                     {.averaging = averaging_named(o.averaging), .timeout = timeout});
-  DenseSync sync(gs::transport::Borrowed<tk::JobTransport>(world), {.timeout = timeout});
   ctr::Model model(static_cast<std::size_t>(o.dim), o.hidden, data.classes.size(), o.seed);
   if (leader)
     fmt::print("ctr: {} training and {} test packages in {} sections ({} dropped: sections under {} packages) | "
-               "{} distinct keys | table {} | {:.1f} MB a machine | MLP {}-{}-{} | {} ranks x batch {} | lr {}\n",
+               "{} distinct keys | table {} | {:.1f} MB a machine | MLP {}-{}-{} | {} ranks x batch {} | lr {} | "
+               "dense: {} bucketing, codec {}, {}\n",
                data.train.count(), data.test.count(), data.classes.size(), data.dropped, o.min_class,
                data.distinct_keys, table_options.describe(), static_cast<double>(table.bytes()) / 1e6, o.dim,
-               fmt::join(o.hidden, "-"), data.classes.size(), sync.size(), o.batch, o.learning_rate);
-  const auto reports = train(o, data, sync, exchange, table, model);
+               fmt::join(o.hidden, "-"), data.classes.size(), world.size(), o.batch, o.learning_rate, o.bucketing,
+               o.codec, o.topology);
+  std::vector<EpochReport> reports;
+  with_dense_sync(o, world, [&](auto& sync) { reports = train(o, data, sync, exchange, table, model); });
   // Measured at the end, by each machine's local rank 0, while the others wait for it in one last
   // (empty) exchange step, the machine barrier, so that all of them are still there to measure.
   Pss pss;
@@ -347,9 +388,10 @@ int run(const Options& o) {
                         {"test_accuracy", tk::rounded(r.test_accuracy, 4)},
                         {"keys_per_step", tk::rounded(r.keys_per_step, 1)},
                         {"dense_bytes_sent", r.dense_bytes_sent},
+                        {"dense_bytes_per_step", r.steps ? r.dense_bytes_sent / r.steps : 0},
                         {"sparse_bytes_sent", r.sparse_bytes_sent},
                         {"sparse_seconds", tk::rounded(r.sparse_seconds, 4)}});
-    tk::write_json(o.json, {{"ranks", sync.size()},
+    tk::write_json(o.json, {{"ranks", world.size()},
                             {"ranks_per_machine", world.local_size()},
                             {"batch_per_rank", o.batch},
                             {"train_packages", data.train.count()},
@@ -366,6 +408,10 @@ int run(const Options& o) {
                             {"averaging", o.averaging},
                             {"table_placement", o.table},
                             {"seed", o.seed},
+                            {"bucketing", o.bucketing},
+                            {"codec", o.codec},
+                            {"threshold", o.codec == "ef-two-bit" ? tk::Json(tk::as_written(o.threshold)) : tk::Json()},
+                            {"topology", o.topology},
                             {"epochs", epochs},
                             {"table_keys", table.size()},
                             {"table_bytes", table.bytes()},
