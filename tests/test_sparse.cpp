@@ -6,6 +6,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 
@@ -277,6 +279,64 @@ TEST_SUITE("sparse") {
                          Error);
     const std::vector<std::uint64_t> reserved{~std::uint64_t{0}};
     CHECK_THROWS_WITH_AS(table.apply(reserved, std::span(grads).first(dim)), doctest::Contains("reserved"), Error);
+  }
+
+  TEST_CASE("a checkpoint: save, load into a new table, the same rows and optimizer state; a damaged or mismatched file is refused") {
+    const auto path = std::filesystem::temp_directory_path() / fmt::format("{}.gsemb", unique_job("checkpoint"));
+    const std::vector<std::uint64_t> keys{3, 1001, 77, 5, 123456789};
+    std::mt19937 random(3);
+    std::normal_distribution<float> normal(0.0f, 0.1f);
+    const auto gradients = [&](std::size_t count) {
+      std::vector<float> g(count * dim);
+      for (float& v : g) v = normal(random);
+      return g;
+    };
+    const sparse::EmbeddingOptions options = table_options(sparse::Optimizer::adagrad);
+    transport::SharedMemory before_shm({.local_rank = 0, .local_size = 1, .job = unique_job("saved"), .token = "t",
+                                        .setup_timeout = 20s});
+    sparse::EmbeddingTable before(before_shm, options);
+    for (int step = 0; step < 4; ++step) {
+      const std::span<const std::uint64_t> some = std::span(keys).first(static_cast<std::size_t>(2 + step % 4));
+      before.apply(some, gradients(some.size()));
+    }
+    before.save(path);
+
+    transport::SharedMemory after_shm({.local_rank = 0, .local_size = 1, .job = unique_job("loaded"), .token = "t",
+                                       .setup_timeout = 20s});
+    sparse::EmbeddingTable after(after_shm, options);
+    after.apply(std::span(keys).last(1), gradients(1));  // a row the load replaces
+    after.load(path);
+    CHECK(after.size() == before.size());
+    CHECK(contents(after, keys) == contents(before, keys));
+    // The Adagrad accumulators came too: the same update moves both tables alike.
+    const std::vector<float> next = gradients(keys.size());
+    before.apply(keys, next);
+    after.apply(keys, next);
+    CHECK(contents(after, keys) == contents(before, keys));
+
+    std::vector<char> bytes;
+    {
+      std::ifstream file(path, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+    }
+    const auto write = [&](const std::vector<char>& b) {
+      std::ofstream file(path, std::ios::binary | std::ios::trunc);
+      file.write(b.data(), static_cast<std::streamsize>(b.size()));
+    };
+    std::vector<char> damaged = bytes;
+    damaged[damaged.size() / 2] ^= 1;
+    write(damaged);
+    CHECK_THROWS_WITH_AS(after.load(path), doctest::Contains("damaged"), Error);
+    write(std::vector<char>(bytes.begin(), bytes.begin() + 20));
+    CHECK_THROWS_WITH_AS(after.load(path), doctest::Contains("too short"), Error);
+    write(bytes);
+    sparse::EmbeddingOptions wider = options;
+    wider.dim = dim + 1;
+    transport::SharedMemory wider_shm({.local_rank = 0, .local_size = 1, .job = unique_job("wider"), .token = "t",
+                                       .setup_timeout = 20s});
+    sparse::EmbeddingTable other(wider_shm, wider);
+    CHECK_THROWS_WITH_AS(other.load(path), doctest::Contains("rows of dim 4; this table's are of dim 5"), Error);
+    std::filesystem::remove(path);
   }
 
   TEST_CASE("a trainer killed mid-step makes the others fail fast, naming it, and leaves nothing in /dev/shm") {

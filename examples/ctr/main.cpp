@@ -6,7 +6,7 @@
 //                         [--dim D] [--rows N] [--hidden 64] [--averaging occurrence|world-size|none]
 //                         [--table shared|replicated] [--min-class N] [--steps S] [--data FILE] [--json PATH] [--seed N]
 //                         [--bucketing fixed-size|time-clustered] [--codec none|ef-two-bit] [--threshold T]
-//                         [--topology ring|hierarchical]
+//                         [--topology ring|hierarchical] [--checkpoint DIR] [--resume DIR]
 //
 // One process per rank, placed by the launcher's variables; run without a launcher it trains
 // alone. The MLP's gradients are averaged by a Synchronizer over the whole job, with the bucketing,
@@ -16,6 +16,10 @@
 // that show the methods composed (fmnist takes every codec). Rank 0 prints progress
 // and each epoch's test accuracy; --json also records one table's bytes and the memory (Pss) of
 // rank 0's machine's trainers at the end, which is what holding the table once per machine saves.
+// --checkpoint DIR: after every epoch rank 0 writes the table (sparse::EmbeddingTable::save) and
+// the MLP's parameters there; --resume DIR: each machine's local rank 0 loads the table, every rank
+// the MLP, and training goes on from the epoch after the saved one (the same samples in the same
+// order as an unbroken run; with ef-two-bit, whose residuals are not saved, not the same bits).
 
 #include <malloc.h>
 #include <unistd.h>
@@ -72,6 +76,8 @@ struct Options {
   std::string bucketing = "fixed-size";
   std::string codec = "none";
   std::string topology = "ring";
+  std::string checkpoint;  // a directory: written after every epoch
+  std::string resume;      // a directory written by --checkpoint: training goes on from it
   float threshold = 0.1f;  // ef-two-bit's: fits this MLP's gradients (results/composed/: 0.5, TwoBit's default, loses 2.5 points)
 };
 
@@ -98,6 +104,8 @@ void declare_options(CLI::App& app, Options& o) {
   tk::add_choice(app, "--codec", o.codec, "the MLP's gradients' codec", {"none", "ef-two-bit"});
   tk::add_number(app, "--threshold", o.threshold, "ef-two-bit's threshold: values at or beyond it travel as it",
                  {.low = 0, .low_open = true});
+  app.add_option("--checkpoint", o.checkpoint, "after every epoch, write the table and the MLP into this directory");
+  app.add_option("--resume", o.resume, "go on from the last epoch a --checkpoint directory holds");
   tk::add_choice(app, "--topology", o.topology,
                  "the MLP's allreduce: one ring over every rank, or within machines and then across them",
                  {"ring", "hierarchical"});
@@ -120,6 +128,39 @@ struct EpochReport {
   double sparse_seconds = 0;            // in the sparse exchange, on this rank
 };
 
+// The MLP's parameters and the epochs done, as JSON (floats written so that they read back to
+// the same bits), beside the table's own file.
+void save_checkpoint(const std::filesystem::path& dir, int epochs_done, const gs::sparse::EmbeddingTable& table,
+                     const ctr::Model& model) {
+  std::filesystem::create_directories(dir);
+  table.save(dir / "table.gsemb");
+  tk::Json layers = tk::Json::array();
+  for (const fmnist::Layer& layer : model.dense().layers()) layers.push_back({{"w", layer.w}, {"b", layer.b}});
+  tk::write_json((dir / "mlp.json").string(), {{"epochs_done", epochs_done}, {"layers", layers}});
+}
+
+// Loads a checkpoint: the MLP on every rank, the table on each machine's local rank 0; returns the
+// epochs it had done. The other local ranks see the table once the next exchange step has ended.
+int load_checkpoint(const std::filesystem::path& dir, gs::sparse::EmbeddingTable& table, ctr::Model& model) {
+  std::ifstream file(dir / "mlp.json");
+  if (!file) throw std::invalid_argument(fmt::format("--resume: no {} to read", (dir / "mlp.json").string()));
+  const tk::Json saved = tk::Json::parse(file);
+  auto& layers = model.dense().layers();
+  if (saved.at("layers").size() != layers.size())
+    throw std::invalid_argument(fmt::format("--resume: {} holds an MLP of {} layers, this one has {}",
+                                            dir.string(), saved.at("layers").size(), layers.size()));
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    auto w = saved["layers"][l].at("w").get<std::vector<float>>(), b = saved["layers"][l].at("b").get<std::vector<float>>();
+    if (w.size() != layers[l].w.size() || b.size() != layers[l].b.size())
+      throw std::invalid_argument(fmt::format("--resume: layer {} of {} has another shape than --hidden gives", l + 1,
+                                              dir.string()));
+    layers[l].w = std::move(w);
+    layers[l].b = std::move(b);
+  }
+  if (table.writer()) table.load(dir / "table.gsemb");
+  return saved.at("epochs_done").get<int>();
+}
+
 // Every rank walks the same shuffled order; each global batch of ranks x batch packages is cut
 // into one shard per rank. A step: look the shard's rows up, forward and backward (the MLP's
 // gradients handed to the Synchronizer layer by layer as they are ready), the rows' gradients
@@ -128,7 +169,7 @@ struct EpochReport {
 // exchange, so no table is written while it reads.
 template <class DenseSync>
 std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, DenseSync& sync, Exchange& exchange,
-                               gs::sparse::EmbeddingTable& table, ctr::Model& model) {
+                               gs::sparse::EmbeddingTable& table, ctr::Model& model, int first_epoch) {
   std::vector<std::pair<gs::GradId, gs::GradId>> ids;  // per layer: weights, bias
   for (std::size_t l = 0; l < model.dense().layers().size(); ++l) {
     fmnist::Layer& layer = model.dense().layers()[l];
@@ -158,7 +199,7 @@ std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, Dense
     test_offsets[i + 1] = test_offsets[i] + data.keys_of(data.test, i, std::span(test_keys).subspan(test_offsets[i]));
   std::vector<const float*> test_rows(test_keys.size());
   std::vector<EpochReport> reports;
-  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+  for (int epoch = first_epoch; epoch <= o.epochs; ++epoch) {
     std::iota(order.begin(), order.end(), std::size_t{0});
     std::mt19937_64 shuffle(o.seed * 1000003u + static_cast<std::uint64_t>(epoch));
     std::shuffle(order.begin(), order.end(), shuffle);
@@ -209,6 +250,8 @@ std::vector<EpochReport> train(const Options& o, const ctr::Dataset& data, Dense
                              static_cast<double>(data.test.count());
     }
     reports.push_back(report);
+    // Rank 0 is its machine's table writer, and between steps: nothing writes the table meanwhile.
+    if (leader && !o.checkpoint.empty()) save_checkpoint(o.checkpoint, epoch, table, model);
   }
   return reports;
 }
@@ -351,8 +394,14 @@ int run(const Options& o) {
                data.distinct_keys, table_options.describe(), static_cast<double>(table.bytes()) / 1e6, o.dim,
                fmt::join(o.hidden, "-"), data.classes.size(), world.size(), o.batch, o.learning_rate, o.bucketing,
                o.codec, o.topology);
+  int first_epoch = 1;
+  if (!o.resume.empty()) {
+    first_epoch = load_checkpoint(o.resume, table, model) + 1;
+    exchange.step({}, {});  // the machine barrier: the loaded table is there for every local rank
+    if (leader) fmt::print("resumed from {} after epoch {}\n", o.resume, first_epoch - 1);
+  }
   std::vector<EpochReport> reports;
-  with_dense_sync(o, world, [&](auto& sync) { reports = train(o, data, sync, exchange, table, model); });
+  with_dense_sync(o, world, [&](auto& sync) { reports = train(o, data, sync, exchange, table, model, first_epoch); });
   // Measured at the end, by each machine's local rank 0, while the others wait for it in one last
   // (empty) exchange step, the machine barrier, so that all of them are still there to measure.
   Pss pss;

@@ -4,9 +4,15 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <utility>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 
+#include "detail/hmac.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/error.hpp"
 
@@ -30,6 +36,29 @@ constexpr std::uint64_t mix(std::uint64_t x) noexcept {
 }
 
 const char* name(Optimizer o) { return o == Optimizer::sgd ? "sgd" : "adagrad"; }
+
+// A checkpoint file (EmbeddingTable::save): the header below, then per row its key, values and
+// accumulator, then a SHA-256 of all that. Written and read as this machine's bytes, which the
+// format fixes as little-endian.
+static_assert(std::endian::native == std::endian::little, "checkpoints are little-endian");
+constexpr char checkpoint_magic[8] = {'g', 's', '-', 'e', 'm', 'b', 'e', 'd'};
+constexpr std::uint32_t checkpoint_version = 1;
+struct CheckpointHeader {
+  char magic[8];
+  std::uint32_t version;
+  std::int32_t dim;
+  std::uint32_t optimizer;
+  float init_scale;
+  std::uint64_t seed;
+  std::uint64_t rows;  // records that follow
+};
+constexpr std::size_t digest_bytes = 32;
+
+template <class T>
+void put(std::vector<std::byte>& out, const T& value) {
+  const auto bytes = std::as_bytes(std::span(&value, 1));
+  out.insert(out.end(), bytes.begin(), bytes.end());
+}
 
 }  // namespace
 
@@ -233,6 +262,101 @@ void EmbeddingTable::apply(std::span<const std::uint64_t> keys, std::span<const 
       const float step = options_.learning_rate / (std::sqrt(a) + options_.epsilon);
       for (std::size_t j = 0; j < dim; ++j) values[j] -= step * g[j];
     }
+  }
+}
+
+void EmbeddingTable::save(const std::filesystem::path& path) const {
+  const ErrorContext context{.rank = machine_->rank(), .operation = "embedding table save"};
+  const auto dim = static_cast<std::size_t>(options_.dim);
+  const std::size_t used = header_->used;
+  std::vector<std::uint64_t> key_of(used, empty_key);  // by row index
+  const std::uint64_t* keys = slot_keys();
+  const std::uint32_t* rows = slot_rows();
+  for (std::size_t slot = 0; slot < slots_; ++slot)
+    if (keys[slot] != empty_key && rows[slot] < used) key_of[rows[slot]] = keys[slot];
+  std::vector<std::byte> out;
+  out.reserve(sizeof(CheckpointHeader) + used * (8 + 4 * dim + 4) + digest_bytes);
+  CheckpointHeader header{.version = checkpoint_version,
+                          .dim = options_.dim,
+                          .optimizer = static_cast<std::uint32_t>(options_.optimizer),
+                          .init_scale = options_.init_scale,
+                          .seed = options_.seed,
+                          .rows = used};
+  std::memcpy(header.magic, checkpoint_magic, sizeof header.magic);
+  put(out, header);
+  for (std::size_t r = 0; r < used; ++r) {
+    put(out, key_of[r]);
+    const auto values = std::as_bytes(std::span<const float>(row(static_cast<std::uint32_t>(r)), dim));
+    out.insert(out.end(), values.begin(), values.end());
+    put(out, *accumulator(static_cast<std::uint32_t>(r)));
+  }
+  const gradsync::detail::Digest digest = gradsync::detail::sha256(out);
+  out.insert(out.end(), reinterpret_cast<const std::byte*>(digest.data()),
+             reinterpret_cast<const std::byte*>(digest.data()) + digest.size());
+  // A file of its own, renamed over `path` once written: a reader never sees half a checkpoint.
+  std::filesystem::path partial = path;
+  partial += fmt::format(".partial-{}", ::getpid());
+  {
+    std::ofstream file(partial, std::ios::binary | std::ios::trunc);
+    file.write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(out.size()));
+    file.close();
+    if (!file)
+      throw Error(ErrorKind::invalid_argument, context, fmt::format("cannot write {}", partial.string()));
+  }
+  std::error_code error;
+  std::filesystem::rename(partial, path, error);
+  if (error) {
+    std::filesystem::remove(partial, error);
+    throw Error(ErrorKind::invalid_argument, context, fmt::format("cannot write {}", path.string()));
+  }
+}
+
+void EmbeddingTable::load(const std::filesystem::path& path) {
+  const ErrorContext context{.rank = machine_->rank(), .operation = "embedding table load"};
+  const auto refuse = [&](std::string why) {
+    return Error(ErrorKind::invalid_argument, context, fmt::format("{}: {}", path.string(), why));
+  };
+  if (!writer_) throw refuse("only local rank 0 loads the machine's embedding table");
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw refuse("cannot be read");
+  const std::vector<char> text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const auto bytes = std::as_bytes(std::span(text));
+  if (bytes.size() < sizeof(CheckpointHeader) + digest_bytes) throw refuse("too short to be an embedding checkpoint");
+  CheckpointHeader header;
+  std::memcpy(&header, bytes.data(), sizeof header);
+  if (std::memcmp(header.magic, checkpoint_magic, sizeof header.magic) != 0) throw refuse("not an embedding checkpoint");
+  if (header.version != checkpoint_version)
+    throw refuse(fmt::format("checkpoint version {}; this gradsync reads version {}", header.version, checkpoint_version));
+  const std::span<const std::byte> body = bytes.first(bytes.size() - digest_bytes);
+  gradsync::detail::Digest stored;
+  std::memcpy(stored.data(), bytes.data() + body.size(), digest_bytes);
+  if (!gradsync::detail::equal_digests(gradsync::detail::sha256(body), stored))
+    throw refuse("damaged: its SHA-256 does not match its contents");
+  if (header.dim != options_.dim)
+    throw refuse(fmt::format("rows of dim {}; this table's are of dim {}", header.dim, options_.dim));
+  if (header.rows > header_->rows)
+    throw refuse(fmt::format("{} rows; this table holds {} (EmbeddingOptions::rows)", header.rows, header_->rows));
+  const auto dim = static_cast<std::size_t>(options_.dim);
+  const std::size_t record = 8 + 4 * dim + 4;
+  if (body.size() != sizeof header + header.rows * record)
+    throw refuse(fmt::format("{} bytes of rows where {} rows of dim {} take {}", body.size() - sizeof header,
+                             header.rows, dim, header.rows * record));
+  std::uint64_t* slot_key = slot_keys();
+  std::uint32_t* slot_row = slot_rows();
+  std::memset(slot_key, 0xff, slots_ * sizeof(std::uint64_t));
+  header_->used = 0;
+  const std::byte* at = body.data() + sizeof header;
+  for (std::uint64_t r = 0; r < header.rows; ++r, at += record) {
+    std::uint64_t key;
+    std::memcpy(&key, at, 8);
+    const std::size_t slot = probe(key);
+    if (key == empty_key || slot_key[slot] == key)
+      throw refuse(fmt::format("row {} has key {:#x}, reserved or already loaded", r, key));
+    const auto index = static_cast<std::uint32_t>(header_->used++);
+    std::memcpy(row(index), at + 8, 4 * dim);
+    std::memcpy(accumulator(index), at + 8 + 4 * dim, 4);
+    slot_row[slot] = index;
+    slot_key[slot] = key;
   }
 }
 

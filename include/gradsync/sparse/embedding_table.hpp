@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <span>
 #include <string>
 #include <vector>
@@ -78,6 +79,17 @@ class EmbeddingTable {
   // made (initial values) for a key that has none. Keys must be distinct. An Error when the
   // table is full.
   void apply(std::span<const std::uint64_t> keys, std::span<const float> gradients);
+
+  // Checkpoints. save() writes every key holding a row, with its values and Adagrad accumulator, in
+  // row order, and the options' dim, optimizer, init scale and seed, to `path` (a new file, renamed
+  // over `path` once complete): little-endian, a magic and a version, a SHA-256 of it all at the
+  // end. Any rank may save; no apply() may run meanwhile. load(), local rank 0 only and with no
+  // lookup() running (as apply()), replaces the table's rows with the file's, at the same places:
+  // an Error (naming the file) if it is not such a file, is damaged, or its dim differs or its rows
+  // exceed the capacity. Keys not in the file take this table's initial values. The other local
+  // ranks see the loaded rows once local rank 0 has returned, e.g. after the next exchange step.
+  void save(const std::filesystem::path& path) const;
+  void load(const std::filesystem::path& path);
 
  private:
   struct Header;
