@@ -4,13 +4,17 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <bit>
+#include <cmath>
 #include <cstring>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <random>
 
+#include "gradsync/async/synchronizer.hpp"
 #include "gradsync/gradsync.hpp"
 #include "processes.hpp"
 #include "routed_world.hpp"
@@ -185,6 +189,116 @@ TEST_SUITE("sparse") {
       return "ok";
     });
     for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
+  }
+
+  TEST_CASE("the methods composed: sparse tables beside a dense Synchronizer<TimeClustered, ErrorFeedback<TwoBit>, Hierarchical>") {
+    // The fifth document's tables, the first's time-clustered buckets (re-planned from measured
+    // ready times), a compressed codec with error feedback and the hierarchical allreduce in one
+    // job on 2 machines of 2: every rank ends each step with the same dense bits (finite, not all
+    // zero), and every machine with the same table.
+    const int machines = 2, local = 2, n = machines * local;
+    constexpr int steps = 12;
+    constexpr std::size_t sizes[] = {3000, 40, 700};
+    const auto results = run_job(machines, local, {.timeout = 20s}, [&](int rank, RoutedWorld& world,
+                                                                      sparse::EmbeddingTable& table,
+                                                                      auto& exchange) -> std::string {
+      using Borrowed = transport::Borrowed<RoutedWorld>;
+      using Codec = compression::ErrorFeedback<compression::TwoBit>;
+      Synchronizer<bucketing::TimeClustered, Codec, topology::Hierarchical, Borrowed> dense(
+          Borrowed(world), {.timeout = 20s}, {.profile_iterations = 2, .check_every = 4},
+          Codec{{.threshold = 0.05f}}, {.ranks_per_machine = local});
+      std::vector<std::vector<float>> gradients;
+      for (const std::size_t size : sizes) gradients.emplace_back(size);
+      for (std::size_t g = 0; g < gradients.size(); ++g) dense.add(fmt::format("layer{}", g), view(gradients[g]));
+      std::mt19937 random(static_cast<unsigned>(rank) + 11u);
+      std::normal_distribution<float> normal(0.0f, 0.01f);
+      std::string digests;
+      for (int step = 0; step < steps; ++step) {
+        for (auto& gradient : gradients)
+          for (float& v : gradient) v = normal(random);
+        for (std::size_t g = gradients.size(); g-- > 0;) {  // backward's order, with a gap before the first layer
+          if (g == 0) std::this_thread::sleep_for(2ms);
+          dense.ready(static_cast<GradId>(g));
+        }
+        const std::vector<std::uint64_t> keys{static_cast<std::uint64_t>(1 + step % 5), static_cast<std::uint64_t>(50 + rank)};
+        std::vector<float> rows(keys.size() * dim);
+        for (float& v : rows) v = normal(random);
+        exchange.step(keys, rows);
+        dense.wait();
+        std::size_t nonzero = 0;
+        for (const auto& gradient : gradients)
+          for (float v : gradient) {
+            if (!std::isfinite(v)) return fmt::format("step {}: a dense average is {}", step, v);
+            nonzero += v != 0.0f;
+          }
+        if (nonzero == 0) return fmt::format("step {}: every dense average is 0", step);
+        std::uint64_t h = 1469598103934665603ull;
+        for (const auto& gradient : gradients)
+          for (float v : gradient) h = (h ^ std::bit_cast<std::uint32_t>(v)) * 1099511628211ull;
+        digests += fmt::format("{:x};", h);
+      }
+      std::vector<std::uint64_t> all_keys;
+      for (std::uint64_t k = 1; k <= 60; ++k) all_keys.push_back(k);
+      return "ok " + digests + contents(table, all_keys);
+    });
+    REQUIRE(results.size() == static_cast<std::size_t>(n));
+    for (const auto& r : results) {
+      CHECK_MESSAGE(r.report.starts_with("ok "), r.report);
+      CHECK(r.report == results[0].report);
+    }
+  }
+
+  TEST_CASE("sparse tables beside the asynchronous parameter server on the same transport") {
+    // At staleness 0 and quorum N every worker applies exactly each iteration's global gradient,
+    // so every rank ends each step with the same dense bits; the tables agree across machines.
+    const int machines = 2, local = 2, n = machines * local;
+    const auto results = run_job(machines, local, {.timeout = 20s}, [&](int rank, RoutedWorld& world,
+                                                                      sparse::EmbeddingTable& table,
+                                                                      auto& exchange) -> std::string {
+      using Borrowed = transport::Borrowed<RoutedWorld>;
+      async::Synchronizer<compression::None, Borrowed> dense(Borrowed(world), {.staleness = 0, .period = 2, .timeout = 20s});
+      std::vector<float> gradient(1500), parameters(1500, 1.0f);
+      dense.add("w", view(gradient));
+      dense.add_parameters(parameters);
+      std::mt19937 random(static_cast<unsigned>(rank) + 5u);
+      std::normal_distribution<float> normal(0.0f, 0.01f);
+      std::string digests;
+      for (int step = 0; step < 6; ++step) {
+        for (float& v : gradient) v = normal(random);
+        std::vector<float> expected(gradient.size(), 0.0f);  // group order, as the servers sum
+        for (int r = 0; r < n; ++r) {
+          std::mt19937 theirs(static_cast<unsigned>(r) + 5u);
+          std::normal_distribution<float> their_normal(0.0f, 0.01f);
+          std::vector<float> values(gradient.size());
+          for (int s = 0; s <= step; ++s) {
+            for (float& v : values) v = their_normal(theirs);
+            if (s < step)
+              for (int k = 0; k < 2 * dim; ++k) (void)their_normal(theirs);  // that step's rows
+          }
+          for (std::size_t e = 0; e < values.size(); ++e) expected[e] += values[e];
+        }
+        dense.ready(0);
+        const std::vector<std::uint64_t> keys{static_cast<std::uint64_t>(1 + step % 3), static_cast<std::uint64_t>(40 + rank)};
+        std::vector<float> rows(keys.size() * dim);
+        for (float& v : rows) v = normal(random);
+        exchange.step(keys, rows);
+        dense.wait();
+        for (std::size_t e = 0; e < gradient.size(); ++e)
+          if (gradient[e] != expected[e] / static_cast<float>(n))
+            return fmt::format("step {}: element {} is {}, the average is {}", step, e, gradient[e], expected[e] / n);
+        for (std::size_t e = 0; e < parameters.size(); ++e) parameters[e] -= gradient[e];
+        dense.parameters_updated();
+      }
+      dense.finish();
+      std::vector<std::uint64_t> all_keys;
+      for (std::uint64_t k = 1; k <= 50; ++k) all_keys.push_back(k);
+      return "ok " + contents(table, all_keys);
+    });
+    REQUIRE(results.size() == static_cast<std::size_t>(n));
+    for (const auto& r : results) {
+      CHECK_MESSAGE(r.report.starts_with("ok "), r.report);
+      CHECK(r.report == results[0].report);
+    }
   }
 
   TEST_CASE("the dense path gives the sparse path's tables; the cost model goes dense when the rows are not sparse") {
