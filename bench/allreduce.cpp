@@ -1,7 +1,7 @@
 // bench/allreduce — nccl-tests style: time one allreduce of each size (the topology's schedule,
 // run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
-//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor serial|task-graph] [--ranks N] [--min-bytes B] [--max-bytes B]
+//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor task-graph|serial] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server|hierarchical|recursive-doubling|halving-doubling|auto]
 //             [--partitions P] [--ranks-per-machine L] [--across auto|ring|recursive-doubling|halving-doubling]
@@ -63,7 +63,7 @@ using Clock = std::chrono::steady_clock;
 struct Config {
   std::string transport = "in-process";
   std::string local_transport = "shm";
-  std::string executor = "serial";
+  std::string executor = "task-graph";  // what the Synchronizer runs by default
   int ranks = 4;
   std::size_t min_bytes = 1024;
   std::size_t max_bytes = std::size_t{256} << 20;
@@ -488,8 +488,8 @@ void declare_options(CLI::App& app, Config& cfg) {
                  "is ignored)",
                  {"in-process", "shm", "tcp"});
   tk::add_choice(app, "--executor", cfg.executor,
-                 "serial: one thread walks the schedule in list order; task-graph: the Synchronizer's default "
-                 "engine, steps run as their data allows",
+                 "task-graph (the default, the Synchronizer's): steps run as their data allows; serial: one "
+                 "thread walks the schedule in list order",
                  {"serial", "task-graph"});
   tk::add_choice(app, "--local-transport", cfg.local_transport,
                  "with tcp and several ranks per machine (LOCAL_WORLD_SIZE > 1): how ranks of one machine talk",

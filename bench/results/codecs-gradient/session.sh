@@ -12,7 +12,7 @@ for round in 1 2 3; do
   for codec in none ef-two-bit ef-one-bit terngrad ef-top-k ef-random-k; do
     keep=()
     [[ $codec == ef-top-k || $codec == ef-random-k ]] && keep=(--keep 0.01)
-    "$netcluster" run 4 ./build-release/bench/allreduce --transport tcp --min-bytes 64M --max-bytes 64M --iters 10 \
+    "$netcluster" run 4 ./build-release/bench/allreduce --transport tcp --executor serial --min-bytes 64M --max-bytes 64M --iters 10 \
       --codec "$codec" "${keep[@]}" --json "$out/$codec-$round.json" 2>&1 | grep -E "^\[0\] +[0-9]|ranks differing"
   done
 done
