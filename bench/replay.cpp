@@ -62,6 +62,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/gradsync.hpp"
+#include "gradsync/shipped.hpp"
 #include "gradsync/transport/tcp.hpp"
 #if GRADSYNC_HAS_CUDA
 #include "gradsync/cuda/memory.hpp"
@@ -212,20 +213,28 @@ struct Sample {
   gs::IterationStats stats;
 };
 
-// `device`: the CUDA device the gradients live on, or -1 for host memory.
-template <class Bucketing, class Codec, class Topology, class Transport>
-int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, Transport transport,
-        const Bucketing& policy, const Codec& codec, const Topology& topology, int device = -1) {
-  const gs::Options options{.timeout = std::chrono::minutes(5),
-                            .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
-                            .compute_threads = cfg.compute_threads,
-                            .selective_compression = cfg.selective,
-                            .coordination = cfg.coordination};
-  const std::string transport_name = transport.describe();
-  gs::Synchronizer<Bucketing, Codec, Topology, Transport> sync(std::move(transport), options, policy, codec,
-                                                                 topology);
+// What the report says of the policies and the transport a Synchronizer was built with.
+struct Described {
+  std::string codec, topology, transport;
+  bool lossless = false;  // the averages can be checked exactly
+  int workers = 0;        // the ranks that give gradients (tk::workers)
+};
+
+gs::Options options_for(const Config& cfg) {
+  return {.timeout = std::chrono::minutes(5),
+          .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
+          .compute_threads = cfg.compute_threads,
+          .selective_compression = cfg.selective,
+          .coordination = cfg.coordination};
+}
+
+// Replays the trace through `sync`, a Synchronizer or an AnySynchronizer. `device`: the CUDA
+// device the gradients live on, or -1 for host memory.
+template <class Sync>
+int replay(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace, Sync& sync, const Described& described,
+           int device = -1) {
   const int rank = sync.rank(), ranks = sync.size();
-  const int workers = tk::workers(topology, ranks);
+  const int workers = described.workers;
   // What this rank gives at every iteration (`inputs`), and the buffers averaged in place.
   const bool gradient = cfg.data == "gradient";
   std::vector<std::size_t> counts;
@@ -286,7 +295,7 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
     const CpuTime cpu_end = cpu_time();
     // The workers are ranks 0 .. w-1 (dedicated servers come last and hold only the parts they
     // serve): each average is the workers' mean, (w + 1) / 2 for constant data, exactly.
-    if (it == 0 && Codec::lossless && rank < workers) {
+    if (it == 0 && described.lossless && rank < workers) {
       on_device.copy_back(grads);
       check_average(grads, workers, gradient, values_of);
     }
@@ -321,8 +330,9 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
   fmt::print("# replay {}: {} tensors, {:.1f} MB of f32 gradients, {} ranks, size x{:g}, time x{:g}, jitter {:g}{}\n",
              cfg.trace, trace.size(), static_cast<double>(bytes) / 1e6, ranks, cfg.size_scale, cfg.time_scale,
              cfg.jitter, cfg.drift_at >= 0 ? fmt::format(", drift x{:g} from iteration {}", cfg.drift_factor, cfg.drift_at) : "");
-  fmt::print("# codec {}{}, topology {}, executor {} ({} compute threads), transport {}\n", codec.describe(),
-             cfg.selective ? " (selective)" : "", topology.describe(), cfg.executor, cfg.compute_threads, transport_name);
+  fmt::print("# codec {}{}, topology {}, executor {} ({} compute threads), transport {}\n", described.codec,
+             cfg.selective ? " (selective)" : "", described.topology, cfg.executor, cfg.compute_threads,
+             described.transport);
   fmt::print("# {:>22} {:>8} {:>14} {:>13} {:>6} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10} {:>9} {:>9}\n", "policy",
              "buckets", "iteration (ms)", "exposed (ms)", "plans", "wire (MB)", "algbw", "busbw", "compute", "in flight",
              "waiting", "cpu user", "cpu sys");
@@ -365,11 +375,11 @@ int run(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& trace,
                               {"cpu_system_ms", tk::rounded(tk::median(cpu_system), 3)},
                               {"codec", cfg.codec},
                               {"selective", cfg.selective},
-                              {"topology", topology.describe()},
+                              {"topology", described.topology},
                               {"executor", cfg.executor},
                               {"data", cfg.data},
                               {"compute_threads", cfg.compute_threads},
-                              {"transport", transport_name},
+                              {"transport", described.transport},
                               {"wire_bytes", last.bytes_sent},
                               {"coordinated", cfg.coordination.enabled},
                               {"window", cfg.coordination.window},
@@ -421,20 +431,26 @@ void declare_options(CLI::App& app, Config& cfg) {
   app.add_option("--json", cfg.json, "also write the results and every iteration as JSON to this file");
 }
 
-// Calls f(bucketing policy) for the policy the options name.
-template <class F>
-int with_bucketing(const Config& cfg, F&& f) {
-  if (cfg.bucketing == "per-tensor") return f(gs::bucketing::PerTensor{});
+// The bucketing policy the options name.
+gs::shipped::Bucketing bucketing_for(const Config& cfg) {
+  if (cfg.bucketing == "per-tensor") return gs::bucketing::PerTensor{};
   if (cfg.bucketing == "fixed-size") {
     const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
-    return f(gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)});
+    return gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)};
   }
-  if (cfg.bucketing == "time-clustered") {
-    gs::bucketing::TimeClustered policy;
-    if (cfg.min_bucket_kib > 0) policy.min_bucket_bytes = static_cast<std::size_t>(cfg.min_bucket_kib * 1024);
-    return f(policy);
-  }
-  throw std::invalid_argument("--bucketing must be per-tensor, fixed-size or time-clustered");
+  gs::bucketing::TimeClustered policy;
+  if (cfg.min_bucket_kib > 0) policy.min_bucket_bytes = static_cast<std::size_t>(cfg.min_bucket_kib * 1024);
+  return policy;
+}
+
+// The topology the options name, cut into pieces of `chunk` elements.
+gs::shipped::Topology topology_for(const Config& cfg, int ranks_per_machine, std::size_t chunk) {
+  if (cfg.topology == "parameter-server")
+    return gs::topology::ParameterServer{
+        .partitions = cfg.partitions, .servers = cfg.servers, .dedicated = cfg.dedicated, .chunk_elements = chunk};
+  if (cfg.topology == "hierarchical")
+    return gs::topology::Hierarchical{.ranks_per_machine = ranks_per_machine, .chunk_elements = chunk};
+  return gs::topology::Ring{.chunk_elements = chunk};
 }
 
 }  // namespace
@@ -460,30 +476,34 @@ int main(int argc, char** argv) try {
     if (devices == 0) throw std::runtime_error("--device: this process sees no CUDA device");
     const int device = gs::launch::from_environment().local_rank % devices;
     const auto cap = static_cast<std::size_t>(cfg.cap_mib * (1 << 20));
-    return tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
-      return run(cfg, trace, gs::transport::CudaStaged<tk::JobTransport>(std::move(transport), device, {.ipc = cfg.ipc}),
-                 gs::bucketing::FixedSize{.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)},
-                 codec, gs::topology::Ring{.chunk_elements = chunk}, device);
+    return tk::with_codec(cfg.codec, cfg.codec_settings, [&]<class Codec>(const Codec& codec) {
+      using Transport = gs::transport::CudaStaged<tk::JobTransport>;
+      Transport staged(std::move(transport), device, {.ipc = cfg.ipc});
+      const std::string transport_name = staged.describe();
+      gs::Synchronizer<gs::bucketing::FixedSize, Codec, gs::topology::Ring, Transport> sync(
+          std::move(staged), options_for(cfg),
+          {.cap_bytes = cap, .first_cap_bytes = std::min<std::size_t>(cap, 1 << 20)}, codec,
+          {.chunk_elements = chunk});
+      const Described described{.codec = codec.describe(), .topology = gs::topology::Ring{}.describe(),
+                                .transport = transport_name, .lossless = Codec::lossless, .workers = sync.size()};
+      return replay(cfg, trace, sync, described, device);
     });
 #else
     throw std::invalid_argument("--device needs a build of gradsync with CUDA");
 #endif
   }
-  return with_bucketing(cfg, [&](const auto& policy) {
-    return tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) {
-      if (cfg.topology == "parameter-server")
-        return run(cfg, trace, std::move(transport), policy, codec,
-                   gs::topology::ParameterServer{.partitions = cfg.partitions,
-                                                 .servers = cfg.servers,
-                                                 .dedicated = cfg.dedicated,
-                                                 .chunk_elements = chunk});
-      if (cfg.topology == "hierarchical") {
-        const gs::topology::Hierarchical hierarchical{.ranks_per_machine = transport.local_size(), .chunk_elements = chunk};
-        return run(cfg, trace, std::move(transport), policy, codec, hierarchical);
-      }
-      return run(cfg, trace, std::move(transport), policy, codec, gs::topology::Ring{.chunk_elements = chunk});
-    });
-  });
+  const gs::shipped::Codec codec = tk::codec_named(cfg.codec, cfg.codec_settings);
+  const gs::shipped::Topology topology = topology_for(cfg, transport.local_size(), chunk);
+  const std::string transport_name = transport.describe();
+  const auto sync = gs::make_synchronizer(std::move(transport), options_for(cfg), bucketing_for(cfg), codec, topology);
+  const auto describe = [](const auto& policy) { return std::visit([](const auto& p) { return p.describe(); }, policy); };
+  const Described described{
+      .codec = describe(codec),
+      .topology = describe(topology),
+      .transport = transport_name,
+      .lossless = std::visit([]<class C>(const C&) { return C::lossless; }, codec),
+      .workers = std::visit([&](const auto& t) { return tk::workers(t, sync->size()); }, topology)};
+  return replay(cfg, trace, *sync, described);
 } catch (const std::exception& e) {
   std::fprintf(stderr, "replay: %s\n", e.what());
   return 2;

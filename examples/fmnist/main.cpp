@@ -21,11 +21,13 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "gradsync/gradsync.hpp"
+#include "gradsync/shipped.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "toolkit/connect.hpp"
 #include "toolkit/options.hpp"
@@ -69,12 +71,20 @@ std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
   return asynchronous;
 }
 
-template <class Bucketing, class Codec, class Topology>
-int run(const Options& o, tk::JobTransport transport, const Codec& codec, const Topology& topology) {
-  gs::Synchronizer<Bucketing, Codec, Topology, tk::JobTransport> sync(std::move(transport), sync_options(o), {},
-                                                                      codec, topology);
-  const auto workers = static_cast<std::size_t>(tk::workers(topology, sync.size()));
-  return train_and_report(o, sync, workers, codec.describe(), topology.describe(), [](auto&) {});
+// The synchronous Synchronizer the options pick, from the library's shipped combinations.
+int run(const Options& o, tk::JobTransport transport, const gs::shipped::Codec& codec) {
+  gs::shipped::Bucketing bucketing;
+  if (o.bucketing == "per-tensor") bucketing = gs::bucketing::PerTensor{};
+  if (o.bucketing == "time-clustered") bucketing = gs::bucketing::TimeClustered{};
+  gs::shipped::Topology topology;
+  if (o.topology == "parameter-server")
+    topology = gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated};
+  if (o.topology == "hierarchical") topology = gs::topology::Hierarchical{.ranks_per_machine = transport.local_size()};
+  const auto sync = gs::make_synchronizer(std::move(transport), sync_options(o), bucketing, codec, topology);
+  const auto describe = [](const auto& policy) { return std::visit([](const auto& p) { return p.describe(); }, policy); };
+  const auto workers = static_cast<std::size_t>(
+      std::visit([&](const auto& t) { return tk::workers(t, sync->size()); }, topology));
+  return train_and_report(o, *sync, workers, describe(codec), describe(topology), [](auto&) {});
 }
 
 // The asynchronous parameter server. Its workers keep their own pace, so the samples per second
@@ -101,23 +111,14 @@ int run_asynchronous(const Options& o, tk::JobTransport transport, const Codec& 
   });
 }
 
-template <class Bucketing>
-int with_codec(const Options& o) {
+int run(const Options& o) {
   tk::JobTransport transport = tk::connect_or_alone();
   auto settings = o.codec_settings;
   settings.seed = o.train.seed;
   settings.rank = transport.rank();
-  return tk::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
-    if (o.is_asynchronous) return run_asynchronous(o, std::move(transport), codec);
-    if (o.topology == "parameter-server")
-      return run<Bucketing>(o, std::move(transport), codec,
-                            gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated});
-    if (o.topology == "hierarchical") {
-      const gs::topology::Hierarchical hierarchical{.ranks_per_machine = transport.local_size()};
-      return run<Bucketing>(o, std::move(transport), codec, hierarchical);
-    }
-    return run<Bucketing>(o, std::move(transport), codec, gs::topology::Ring{});
-  });
+  const gs::shipped::Codec codec = tk::codec_named(o.codec, settings);
+  if (!o.is_asynchronous) return run(o, std::move(transport), codec);
+  return std::visit([&](const auto& c) { return run_asynchronous(o, std::move(transport), c); }, codec);
 }
 
 }  // namespace
@@ -141,9 +142,7 @@ int main(int argc, char** argv) try {
 #endif
   }
   if (o.ipc || o.nccl) throw std::invalid_argument("--ipc and --nccl go with --device cuda");
-  if (o.bucketing == "per-tensor") return with_codec<gs::bucketing::PerTensor>(o);
-  if (o.bucketing == "time-clustered") return with_codec<gs::bucketing::TimeClustered>(o);
-  return with_codec<gs::bucketing::FixedSize>(o);
+  return run(o);
 } catch (const std::exception& e) {
   std::fprintf(stderr, "fmnist: %s\n", e.what());
   return 1;

@@ -136,14 +136,12 @@ class Synchronizer {
     return gradients_.add(std::move(name), gradient);
   }
 
-  // From now on `update(id)` runs as soon as gradient `id` holds the iteration's average, on the
-  // synchronization side (a task-graph compute thread, or the communication thread with the
-  // serial executor) while backward goes on; wait() returns once every update has run. It is the
-  // third source document's per-layer background update: pass the optimizer step for gradient
-  // `id`'s parameters. Because the update may run the moment ready(id) is called, backward must
-  // be done reading those parameters by then (compute the gradient for the layer below first).
-  // Updates of different buckets may run at once, on different threads; a gradient's own update
-  // runs once per iteration. An exception from it stops synchronization on every rank with
+  // From now on `update(id)` (the optimizer step of gradient `id`'s parameters: the third source
+  // document's per-layer background update) runs as soon as `id` holds the iteration's average, on
+  // a task-graph compute thread (or the serial executor's thread) while backward goes on; wait()
+  // returns once every update has run. As it may run the moment ready(id) is called, backward
+  // must be done reading those parameters by then. Updates of different buckets may run at once,
+  // on different threads. An exception from one stops synchronization on every rank with
   // Error(internal) naming the gradient. Call before the first ready() or wait().
   void on_averaged(std::function<void(GradId)> update) {
     if (gradients_.frozen())
@@ -154,7 +152,10 @@ class Synchronizer {
 
   // Marks gradient `id` as holding this iteration's local value. Thread-safe; allocation-free.
   void ready(GradId id) {
-    if (failed_.load(std::memory_order_acquire)) rethrow();
+    if (failed_.load(std::memory_order_acquire)) {
+      std::unique_lock lock(mutex_);
+      throw_when_released(lock);
+    }
     freeze();
     const auto marked = gradients_.mark(id, iteration_.load());
     if (marked.bucket_complete || marked.first) {  // the first mark arms bucketing timers
@@ -227,34 +228,8 @@ class Synchronizer {
     return {.rank = transport_.rank(), .bucket = bucket, .operation = std::move(operation)};
   }
 
-  [[noreturn]] void rethrow() {
-    std::unique_lock lock(mutex_);
-    throw_when_released(lock);
-  }
-
   // The first ready() or wait(): the layout is final, so the plan is built and the thread started.
-  void freeze() {
-    if (started_.load(std::memory_order_acquire)) return;
-    std::call_once(freeze_once_, [&] {
-      gradients_.freeze();
-      // Over NCCL, messages match in posting order, which threads posting as work gets ready
-      // would not keep alike on every rank, and buckets may go through its own allreduce: the
-      // serial executor only.
-      if (options_.executor == Executor::task_graph && !OrderMatchedTransport<X> && !DeviceAllreduce<X>)
-        engine_ = std::make_unique<engine::TaskGraph<C, X>>(
-            transport_, codec_, group_, options_.compute_threads, options_.timeout,
-            typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },
-                                                    .failed = [this] {
-                                                      std::lock_guard lock(mutex_);
-                                                      engine_failed_ = true;
-                                                      work_cv_.notify_all();
-                                                    }},
-            options_.coordination);
-      install(bucketing_.initial_plan(gradients_.layout()));
-      thread_ = std::thread([this] { communicate_then_exit(); });
-      started_.store(true, std::memory_order_release);
-    });
-  }
+  void freeze();
 
   // Checks a plan and sizes everything it needs; the only place buffers are allocated.
   void install(BucketPlan plan) {
@@ -341,7 +316,9 @@ class Synchronizer {
   // synchronization (engine::measure_links) and the buckets' schedules built again with them.
   // Over a device transport the control messages the probe would time are not what buckets take,
   // so the topology's own figures stand there.
-  void measure_link() {
+  void measure_link()
+    requires LinkAwareTopology<T>
+  {
     if constexpr (DeviceTransport<X>) return;
     if (!topology_.measure_link || size() == 1) return;
     const std::string links = engine::measure_links(topology_, control_);
@@ -391,8 +368,7 @@ class Synchronizer {
     }
   }
 
-  // The communication thread's whole life: it marks its exit so that wait() never returns an
-  // error while the thread may still touch the caller's gradients.
+  // The thread's whole life: it marks its exit so that no error is thrown while it may still touch gradients.
   void communicate_then_exit() {
     communicate();
     std::lock_guard lock(mutex_);
@@ -400,7 +376,7 @@ class Synchronizer {
     done_cv_.notify_all();
   }
 
-  // Called with the lock held, once an error is recorded.
+  // With the lock held, once an error is recorded: throws it once the thread has let go.
   [[noreturn]] void throw_when_released(std::unique_lock<std::mutex>& lock) {
     done_cv_.wait(lock, [&] { return exited_; });
     throw *error_;
@@ -494,7 +470,6 @@ class Synchronizer {
     }
   }
 
-
   // Hands this iteration's timings to the bucketing policy and, when due, agrees a new plan.
   void end_iteration(std::uint64_t iteration) {
     stats_.iteration = iteration;
@@ -549,8 +524,7 @@ class Synchronizer {
         options_.coordination.enabled
             ? fmt::format("window {}, batches of {} bytes", options_.coordination.window, options_.coordination.batch_bytes)
             : "off");
-    // Ranks that disagreed would meet NCCL's allreduce on one side and point-to-point groups on
-    // the other, and hang.
+    // Ranks that disagreed would meet NCCL's allreduce and point-to-point groups, and hang.
     if constexpr (DeviceAllreduce<X>) described += fmt::format(" native-allreduce={}", options_.native_allreduce);
     return described;
   }
@@ -596,5 +570,31 @@ class Synchronizer {
   std::unique_ptr<engine::TaskGraph<C, X>> engine_;
   std::thread thread_;
 };
+
+// Outside the class, so not inline: a program's calls reach the engine only through here, and
+// where this Synchronizer is compiled elsewhere (`extern template`), it is not instantiated again.
+template <BucketingPolicy B, CompressionPolicy C, TopologyPolicy T, TransportPolicy X>
+void Synchronizer<B, C, T, X>::freeze() {
+  if (started_.load(std::memory_order_acquire)) return;
+  std::call_once(freeze_once_, [&] {
+    gradients_.freeze();
+    // Over NCCL, messages match in posting order, which threads posting as work gets ready
+    // would not keep alike on every rank, and buckets may go through its own allreduce: the
+    // serial executor only.
+    if (options_.executor == Executor::task_graph && !OrderMatchedTransport<X> && !DeviceAllreduce<X>)
+      engine_ = std::make_unique<engine::TaskGraph<C, X>>(
+          transport_, codec_, group_, options_.compute_threads, options_.timeout,
+          typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },
+                                                  .failed = [this] {
+                                                    std::lock_guard lock(mutex_);
+                                                    engine_failed_ = true;
+                                                    work_cv_.notify_all();
+                                                  }},
+          options_.coordination);
+    install(bucketing_.initial_plan(gradients_.layout()));
+    thread_ = std::thread([this] { communicate_then_exit(); });
+    started_.store(true, std::memory_order_release);
+  });
+}
 
 }  // namespace gradsync

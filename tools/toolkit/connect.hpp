@@ -8,13 +8,11 @@
 #include <fmt/format.h>
 
 #include "gradsync/launch/environment.hpp"
-#include "gradsync/transport/routed.hpp"
-#include "gradsync/transport/shared_memory.hpp"
-#include "gradsync/transport/tcp.hpp"
+#include "gradsync/shipped.hpp"
 
 namespace gradsync::toolkit {
 
-using JobTransport = gradsync::transport::Routed<gradsync::transport::SharedMemory, gradsync::transport::Tcp>;
+using gradsync::JobTransport;
 
 // Whether a launcher started this process as a rank of a job (it set one of the rank variables).
 inline bool launched() {
