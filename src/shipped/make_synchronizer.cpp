@@ -5,8 +5,8 @@
 
 namespace gradsync {
 
-// Meson compiles synchronizers.cpp once for each of this many codecs.
-static_assert(std::variant_size_v<shipped::Codec> == GRADSYNC_SHIPPED_CODECS);
+// Meson compiles synchronizers.cpp for this many codecs, four to a unit.
+static_assert(std::variant_size_v<shipped::Codec> == GRADSYNC_SHIPPED_CODECS && GRADSYNC_SHIPPED_CODECS % 4 == 0);
 
 std::unique_ptr<AnySynchronizer> make_synchronizer(JobTransport transport, Options options,
                                                    shipped::Bucketing bucketing, shipped::Codec codec,

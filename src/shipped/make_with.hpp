@@ -1,7 +1,7 @@
 #pragma once
-// How make_synchronizer() reaches the Synchronizers of one codec: make_with<C> is compiled in its
-// own unit for each codec (synchronizers.cpp, once per alternative of shipped::Codec), so the
-// shipped combinations build in parallel and the dispatch (make_synchronizer.cpp) only links them.
+// How make_synchronizer() reaches the Synchronizers of one codec: make_with<C> is compiled in
+// synchronizers.cpp, once per four alternatives of shipped::Codec, so that the shipped
+// combinations build side by side and the dispatch (make_synchronizer.cpp) only links them.
 
 #include <memory>
 
