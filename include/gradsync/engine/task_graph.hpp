@@ -43,8 +43,8 @@
 #include <vector>
 
 #include "gradsync/engine/coordinator/channel.hpp"
-#include "gradsync/engine/dependencies.hpp"
 #include "gradsync/engine/exchange.hpp"
+#include "gradsync/engine/task_job.hpp"
 
 namespace gradsync::engine {
 
@@ -94,21 +94,8 @@ class TaskGraph final : private transport::CompletionSink {
     jobs_.resize(exchanges.size());
     std::size_t steps = 0, transfers = 0;
     for (std::size_t b = 0; b < exchanges.size(); ++b) {
-      Job& job = jobs_[b];
-      job.exchange = exchanges[b];
-      const auto& list = job.exchange->schedule().steps;
-      job.graph = dependencies_of(job.exchange->schedule());
-      job.waiting.resize(list.size());
-      job.ready_at.resize(list.size() + 1);
-      job.settled.resize(list.size());
-      job.held.assign(list.size(), 0);
-      steps += list.size() + 1;
-      for (std::size_t s = 0; s < list.size(); ++s)
-        if (is_transfer(list[s].op)) {
-          ++transfers;
-          job.exchange->request(s).report_to(this,
-                                             task_id(static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(s)));
-        }
+      transfers += jobs_[b].install(exchanges[b], static_cast<std::uint32_t>(b), this);
+      steps += jobs_[b].steps() + 1;
     }
     if (channel_) {
       sends_to_.assign(group_.members.size(), 0);
@@ -136,11 +123,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::lock_guard lock(mutex_);
     if (failed_) return;  // finish() reports why
     Job& job = jobs_[bucket];
-    job.values = values;
-    job.iteration = iteration;
-    std::copy(job.graph.count.begin(), job.graph.count.end(), job.waiting.begin());
-    std::fill(job.settled.begin(), job.settled.end(), std::uint8_t{0});
-    job.left = static_cast<std::uint32_t>(job.waiting.size());
+    job.restart(values, iteration);
     ++running_buckets_;
     iteration_active_ = true;
     if (job.left == 0) return make_ready(bucket, job.steps());  // nothing to exchange: straight to the epilogue
@@ -182,33 +165,12 @@ class TaskGraph final : private transport::CompletionSink {
   // shorter than a 1 MiB copy, so cheap posts go in one batch and copies one or two at a time.
   static constexpr std::chrono::microseconds posting_budget{100};
 
-  struct Job {
-    BucketExchange<C, X>* exchange = nullptr;
-    Dependencies graph;
-    std::vector<std::uint32_t> waiting;       // per step: dependencies not yet done
-    std::vector<Clock::time_point> ready_at;  // per compute task (and the epilogue): when it was queued;
-                                              // per coordinated send: when it was reported
-    std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
-    std::vector<std::uint8_t> held;           // per send: waiting for the coordinator's grant
-    std::uint32_t left = 0;                   // steps not yet done
-    BucketValues values;
-    std::uint64_t iteration = 0;
-
-    std::uint32_t steps() const noexcept { return static_cast<std::uint32_t>(waiting.size()); }
-  };
-
+  using Job = TaskJob<BucketExchange<C, X>>;
   struct Posted {
     Clock::time_point deadline;
     std::uint64_t task;
   };
-
   static constexpr std::uint32_t control_job = 0xffffffffu;  // task ids of the coordinator channel's requests
-
-  static std::uint64_t task_id(std::uint32_t bucket, std::uint32_t step) noexcept {
-    return (std::uint64_t{bucket} << 32) | step;
-  }
-  static std::uint32_t bucket_of(std::uint64_t task) noexcept { return static_cast<std::uint32_t>(task >> 32); }
-  static std::uint32_t step_of(std::uint64_t task) noexcept { return static_cast<std::uint32_t>(task); }
 
   ExchangeContext context(const Job& job, std::uint32_t bucket) const {
     return {group_, job.iteration, bucket, timeout_};
