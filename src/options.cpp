@@ -1,7 +1,10 @@
 #include "gradsync/options.hpp"
 
+#include "gradsync/async/options.hpp"
+
 #include <fmt/format.h>
 
+#include "gradsync/detail/settings.hpp"
 #include "gradsync/error.hpp"
 #include "gradsync/timeline.hpp"
 
@@ -48,3 +51,23 @@ void check(const Options& options, const PolicyAbilities& policies) {
 }
 
 }  // namespace gradsync
+
+namespace gradsync::async {
+
+void check(const Options& options, int workers, int rank) {
+  const ErrorContext where{.rank = rank, .operation = "options"};
+  const int quorum = options.quorum == 0 ? workers : options.quorum;
+  if (options.staleness < 0 || quorum < 1 || quorum > workers || options.period < 0)
+    throw Error(ErrorKind::invalid_argument, where,
+                fmt::format("staleness {} (>= 0), quorum {} (0 or 1..{}) and period {} (>= 0) do not fit",
+                            options.staleness, options.quorum, workers, options.period));
+  if (workers > 64)
+    throw Error(ErrorKind::unsupported, where, fmt::format("{} workers; contributor masks hold 64", workers));
+  gradsync::detail::check_setting(options.timeout.count() > 0, "async::Options", "timeout",
+                                  fmt::format("{} ms", options.timeout.count()), "more than 0 ms");
+  gradsync::detail::check_setting(options.timeline_events >= 1 && options.timeline_events <= Timeline::max_capacity,
+                                  "async::Options", "timeline_events", options.timeline_events,
+                                  fmt::format("between 1 and {}", Timeline::max_capacity));
+}
+
+}  // namespace gradsync::async

@@ -37,4 +37,8 @@ struct StepReport {
   std::uint64_t lost_workers = 0;       // ranks found dead so far (bit w = group rank w), left behind
 };
 
+// Throws Error(invalid_argument or unsupported), naming `rank`, where `options` do not fit a job of
+// `workers` ranks. Compiled once, in src/options.cpp.
+void check(const Options& options, int workers, int rank);
+
 }  // namespace gradsync::async

@@ -27,10 +27,10 @@
 // worker's part is encoded too, where the synchronous server adds its raw values.) Every rank
 // calls finish() after its last wait(): servers keep answering until every worker has finished.
 //
-// Gradients are registered as the Synchronizer's are (engine::Gradients: add(name, TensorView),
-// f32 or f16/bf16 averaged in f32, host or CUDA memory staged through the host), and the ranks
-// check at the first ready() or wait() that they registered the same gradients, parameters and
-// settings (engine::agree_on_layout): each is told what differs.
+// Gradients are registered as the Synchronizer's are (engine::Gradients: add(name, TensorView), f32
+// or f16/bf16 averaged in f32, host or CUDA memory staged through the host; a host transport only),
+// and at the first ready() or wait() the ranks check they registered the same gradients,
+// parameters and settings (engine::agree_on_layout): each is told what differs.
 //
 // A dead rank. When the transport says a peer failed (Error(peer_failed) naming it, for a message
 // to or from it: a killed process over Tcp or SharedMemory), the others go on without it as long
@@ -46,9 +46,8 @@
 // every push, pull, reply, parameter and average message as a transfer from posting to completion
 // (its "bucket" is the part it carries); the encodes and decodes of pushes and global gradients.
 //
-// Not yet: dedicated servers and partition counts other than N (a dead rank's part could then
-// move to a live server); f64 gradients; a bucketing policy (one bucket, pushed once backward is
-// done).
+// Not yet: dedicated servers and partition counts other than N (a dead rank's part could then move
+// to a live server); f64 gradients; a bucketing policy (one bucket, pushed once backward is done).
 
 #include <algorithm>
 #include <chrono>
@@ -84,6 +83,10 @@ namespace gradsync::async {
 
 template <CompressionPolicy C, TransportPolicy X>
 class Synchronizer {
+  static_assert(!DeviceTransport<X>, "async::Synchronizer works in host memory: give it a host transport");
+  static_assert(!OrderMatchedTransport<X>, "async::Synchronizer's messages come in the workers' own order, which a "
+                                           "transport matching by posting order (transport::Nccl) cannot carry");
+
  public:
   Synchronizer(X transport, Options options = {}, C codec = {})
       : transport_(std::move(transport)),
@@ -95,17 +98,7 @@ class Synchronizer {
         gradients_(transport_),
         messages_(transport_, group_, nullptr, [this](int peer, const Error& e) { leave_behind(peer, e); }),
         period_(messages_) {
-    if (options_.staleness < 0 || quorum_ < 1 || quorum_ > n_ || options_.period < 0)
-      throw Error(ErrorKind::invalid_argument, here("options"),
-                  fmt::format("staleness {} (>= 0), quorum {} (0 or 1..{}) and period {} (>= 0) do not fit",
-                              options_.staleness, options_.quorum, n_, options_.period));
-    if (n_ > 64)
-      throw Error(ErrorKind::unsupported, here("options"), fmt::format("{} workers; contributor masks hold 64", n_));
-    gradsync::detail::check_setting(options_.timeout.count() > 0, "async::Options", "timeout",
-                          fmt::format("{} ms", options_.timeout.count()), "more than 0 ms");
-    gradsync::detail::check_setting(options_.timeline_events >= 1 && options_.timeline_events <= Timeline::max_capacity,
-                          "async::Options", "timeline_events", options_.timeline_events,
-                          fmt::format("between 1 and {}", Timeline::max_capacity));
+    check(options_, n_, transport_.rank());
     gradsync::detail::validate_policy(codec_);
     gradients_.open_timeline(options_.timeline, fmt::format("{}.async", transport_.rank()), options_.timeline_events,
                              log_to_stderr);
