@@ -14,6 +14,7 @@
 #include <map>
 #include <random>
 
+#include "detail/hmac.hpp"  // to reseal a crafted checkpoint
 #include "gradsync/async/synchronizer.hpp"
 #include "gradsync/gradsync.hpp"
 #include "processes.hpp"
@@ -443,6 +444,19 @@ TEST_SUITE("sparse") {
     CHECK_THROWS_WITH_AS(after.load(path), doctest::Contains("damaged"), Error);
     write(std::vector<char>(bytes.begin(), bytes.begin() + 20));
     CHECK_THROWS_WITH_AS(after.load(path), doctest::Contains("too short"), Error);
+    // A file whose SHA-256 holds but which names a key twice (row 1 gets row 0's key) is refused
+    // before the table changes.
+    std::vector<char> repeated = bytes;
+    const std::size_t record = 8 + 4 * dim + 4, digest = 32;
+    const std::size_t rows_at = repeated.size() - digest - before.size() * record;
+    std::memcpy(repeated.data() + rows_at + record, repeated.data() + rows_at, 8);
+    const auto body = std::as_bytes(std::span(repeated).first(repeated.size() - digest));
+    const gradsync::detail::Digest resealed = gradsync::detail::sha256(body);
+    std::memcpy(repeated.data() + repeated.size() - digest, resealed.data(), digest);
+    write(repeated);
+    CHECK_THROWS_WITH_AS(after.load(path), doctest::Contains("rows 0 and 1 both have key"), Error);
+    CHECK(after.size() == before.size());
+    CHECK(contents(after, keys) == contents(before, keys));
     write(bytes);
     sparse::EmbeddingOptions wider = options;
     wider.dim = dim + 1;

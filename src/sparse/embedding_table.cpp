@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <utility>
+#include <vector>
 
 #include <unistd.h>
 
@@ -341,22 +342,32 @@ void EmbeddingTable::load(const std::filesystem::path& path) {
   if (body.size() != sizeof header + header.rows * record)
     throw refuse(fmt::format("{} bytes of rows where {} rows of dim {} take {}", body.size() - sizeof header,
                              header.rows, dim, header.rows * record));
+  // The keys are checked before the table changes, so that a refused file leaves it as it was.
+  const std::byte* rows = body.data() + sizeof header;
+  std::vector<std::uint64_t> keys(header.rows);
+  for (std::uint64_t r = 0; r < header.rows; ++r) {
+    std::memcpy(&keys[r], rows + r * record, 8);
+    if (keys[r] == empty_key) throw refuse(fmt::format("row {} has the reserved key {:#x}", r, keys[r]));
+  }
+  std::vector<std::uint64_t> sorted = keys;
+  std::sort(sorted.begin(), sorted.end());
+  if (const auto twice = std::adjacent_find(sorted.begin(), sorted.end()); twice != sorted.end()) {
+    const auto first = std::find(keys.begin(), keys.end(), *twice);
+    const auto second = std::find(first + 1, keys.end(), *twice);
+    throw refuse(fmt::format("rows {} and {} both have key {:#x}", first - keys.begin(), second - keys.begin(), *twice));
+  }
   std::uint64_t* slot_key = slot_keys();
   std::uint32_t* slot_row = slot_rows();
   std::memset(slot_key, 0xff, slots_ * sizeof(std::uint64_t));
   header_->used = 0;
-  const std::byte* at = body.data() + sizeof header;
+  const std::byte* at = rows;
   for (std::uint64_t r = 0; r < header.rows; ++r, at += record) {
-    std::uint64_t key;
-    std::memcpy(&key, at, 8);
-    const std::size_t slot = probe(key);
-    if (key == empty_key || slot_key[slot] == key)
-      throw refuse(fmt::format("row {} has key {:#x}, reserved or already loaded", r, key));
+    const std::size_t slot = probe(keys[r]);
     const auto index = static_cast<std::uint32_t>(header_->used++);
     std::memcpy(row(index), at + 8, 4 * dim);
     std::memcpy(accumulator(index), at + 8 + 4 * dim, 4);
     slot_row[slot] = index;
-    slot_key[slot] = key;
+    slot_key[slot] = keys[r];
   }
 }
 
