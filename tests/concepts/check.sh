@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A policy that does not satisfy its concept must stop the build with a message naming the
-# concept; the control case must compile (so a failure is not just a broken command line).
+# concept, a combination a synchronizer refuses with its reason; the control case must compile (so a failure is not just a broken command line).
 #   check.sh SOURCE INCLUDE_DIR... -- COMPILER [FLAGS...]
 set -uo pipefail
 source=$1; shift
@@ -24,4 +24,12 @@ for case in 1:CompressionPolicy 2:TransportPolicy 3:BucketingPolicy 4:TopologyPo
     echo "case $n: rejected, naming $concept"
   fi
 done
+# A combination the asynchronous parameter server refuses: its static_assert says why.
+if out=$(compile "$@" -DCASE=5 2>&1); then
+  echo "case 5 (async over an order-matched transport) compiled but must not"; status=1
+elif ! grep -q "matching by posting order" <<<"$out"; then
+  echo "case 5: the error does not give the reason:"; echo "$out" | head -20; status=1
+else
+  echo "case 5: async over an order-matched transport rejected, saying why"
+fi
 exit $status

@@ -1,6 +1,7 @@
 // Each CASE names a Synchronizer with one policy that breaks its concept; the build must stop
-// with the concept's name in the message (tests/concepts/check.sh). CASE 0 is the control that
-// must compile.
+// with the concept's name in the message (tests/concepts/check.sh). CASE 5 names an asynchronous
+// parameter server over a transport it cannot take, which must stop with its reason. CASE 0 is
+// the control that must compile.
 
 #include "gradsync/gradsync.hpp"
 
@@ -36,6 +37,11 @@ struct TopologyWithWrongSchedule {
   int schedule(const gs::Group&, std::size_t, gs::CodecTraits) const { return 0; }
 };
 
+// InProcess, claiming to match messages in posting order as transport::Nccl does.
+struct OrderMatchedInProcess : gs::transport::InProcess {
+  static constexpr bool matches_by_order = true;
+};
+
 using gs::bucketing::PerTensor;
 using gs::compression::None;
 using gs::topology::Ring;
@@ -51,6 +57,8 @@ using Sync = gs::Synchronizer<PerTensor, None, Ring, TransportWithoutAbort>;
 using Sync = gs::Synchronizer<BucketingWithoutPlan, None, Ring, InProcess>;
 #elif CASE == 4
 using Sync = gs::Synchronizer<PerTensor, None, TopologyWithWrongSchedule, InProcess>;
+#elif CASE == 5
+using Sync = gs::async::Synchronizer<None, OrderMatchedInProcess>;
 #endif
 
 int main() { return sizeof(Sync) > 0 ? 0 : 1; }
