@@ -28,9 +28,14 @@ echo "pkg-config: $flags"
 libdir=$(dirname "$(find build -name 'libgradsync.so' | head -1)")
 compilers=(c++)
 command -v clang++ >/dev/null && compilers+=(clang++)  # where present: clang holds headers to other rules
+compiling=()  # side by side: each compile is one core's
 for compiler in "${compilers[@]}"; do
-  "$compiler" -Wall -Wextra -Wpedantic -Werror src/main.cpp $flags -pthread -o consumer-pkgconfig
-  output=$(LD_LIBRARY_PATH=$libdir ./consumer-pkgconfig)
+  "$compiler" -Wall -Wextra -Wpedantic -Werror src/main.cpp $flags -pthread -o "consumer-pkgconfig-$compiler" &
+  compiling+=($!)
+done
+for pid in "${compiling[@]}"; do wait "$pid"; done
+for compiler in "${compilers[@]}"; do
+  output=$(LD_LIBRARY_PATH=$libdir "./consumer-pkgconfig-$compiler")
   echo "$compiler: $output"
   [[ $output == gradsync\ $expected ]]
 done
