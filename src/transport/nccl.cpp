@@ -25,9 +25,15 @@ namespace gradsync::transport {
 
 namespace {
 
-// The tag of the receive each rank keeps posted from every peer and nobody sends to: its failure
-// is how a peer's death shows.
-constexpr std::uint64_t watch_tag = engine::control_tag(0, engine::ControlMessage::nccl_watch);
+// Nccl's own messages over its Tcp, in engine::ControlMessage::transports' range: the receive each
+// rank keeps posted from every peer and nobody sends to (its failure is how a peer's death
+// shows), and the setup's: each rank's GPU to rank 0, rank 0's verdict (ranks sharing a GPU, or
+// the unique id) back.
+enum class NcclMessage : std::uint32_t { watch = 0, uuid = 1, verdict = 2 };
+constexpr std::uint64_t nccl_tag(NcclMessage m) {
+  return engine::control_tag(0, engine::ControlMessage::transports, static_cast<std::uint32_t>(m));
+}
+constexpr std::uint64_t watch_tag = nccl_tag(NcclMessage::watch);
 
 bool control_message(std::uint64_t tag) { return ((tag >> 32) & 0xffffu) == engine::control_bucket; }
 
@@ -245,8 +251,8 @@ class NcclEngine {
   void join() {
     const cuda::DeviceUuid uuid = cuda::device_uuid(device_);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
-    const std::uint64_t uuid_tag = engine::control_tag(0, engine::ControlMessage::nccl_uuid);
-    const std::uint64_t verdict_tag = engine::control_tag(0, engine::ControlMessage::nccl_verdict);
+    const std::uint64_t uuid_tag = nccl_tag(NcclMessage::uuid);
+    const std::uint64_t verdict_tag = nccl_tag(NcclMessage::verdict);
     Verdict verdict;
     const auto verdict_bytes = std::as_writable_bytes(std::span(&verdict, 1));
     if (rank() == 0) {

@@ -40,11 +40,9 @@ enum class ControlMessage : std::uint32_t {
   async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 5 (async/synchronizer.hpp)
   peer_tensors = 0x20000030u,  // PeerChannel's streams: ids + 0 .. + 15 (peer_channel.hpp)
   membership = 0x40000000u,    // whom each rank counts in its group, up a tree of the members and back
-  nccl_watch = 0x7ffffff0u,    // transport::Nccl: the receive from every peer that nobody sends to
-  nccl_uuid = 0x7ffffff1u,     // transport::Nccl setup: each rank's GPU, to rank 0
-  nccl_verdict = 0x7ffffff2u,  // transport::Nccl setup: rank 0's answer (ranks sharing a GPU, or the id)
-  cuda_ipc_identity = 0x7ffffff3u,  // transport::CudaStaged with ipc: each rank's GPU and process, to every peer
-  cuda_ipc_notice = 0x7ffffff4u,    // ... notices about blocks peers may have mapped, numbered per pair (cuda_ipc.hpp)
+  transports = 0x7ffffff0u,    // ids + 0 .. + 15: transports' own messages, each transport naming
+                               // its ids where it is written (transport/nccl.cpp: + 0 .. + 2,
+                               // transport/cuda_ipc.hpp: + 8 .. + 9; apart, as both ride on Tcp)
   coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
   coordinator_grant = 0x80000001u,   // coordinator -> rank
 };

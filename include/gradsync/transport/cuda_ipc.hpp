@@ -50,6 +50,11 @@
 
 namespace gradsync::transport::detail {
 
+// CudaStaged's own messages over X with IPC, in engine::ControlMessage::transports' range: each
+// rank's GPU and process to every peer, and notices about blocks peers may have mapped (numbered
+// per pair).
+inline constexpr std::uint32_t ipc_identity_message = 8, ipc_notice_message = 9;
+
 // What X carries for a message through CUDA IPC: where its bytes lie in the sender's block.
 struct IpcDescriptor {
   static constexpr std::uint32_t current_version = 1;
@@ -113,7 +118,7 @@ class CudaIpc {
     std::vector<IpcIdentity> theirs(n);
     std::vector<IpcIdentity> told(n, mine);
     std::vector<typename X::Request> sends(n), receives(n);
-    const std::uint64_t tag = engine::control_tag(0, engine::ControlMessage::cuda_ipc_identity);
+    const std::uint64_t tag = engine::control_tag(0, engine::ControlMessage::transports, ipc_identity_message);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     int peer = 0;
     try {
@@ -329,14 +334,14 @@ class CudaIpc {
 
   // Notices to a peer are numbered in their tags, the number used up only once one has gone.
   void send_notice(X& x, int peer, const IpcNotice& notice) {
-    signal(x, peer, engine::control_tag(notices_sent_[peer], engine::ControlMessage::cuda_ipc_notice),
+    signal(x, peer, engine::control_tag(notices_sent_[peer], engine::ControlMessage::transports, ipc_notice_message),
            std::as_bytes(std::span(&notice, 1)));
     ++notices_sent_[peer];
   }
 
   void post_inbox(X& x, int peer) {
     Inbox& inbox = *inboxes_[peer];
-    x.recv(inbox.request, peer, engine::control_tag(inbox.received, engine::ControlMessage::cuda_ipc_notice),
+    x.recv(inbox.request, peer, engine::control_tag(inbox.received, engine::ControlMessage::transports, ipc_notice_message),
            std::as_writable_bytes(std::span(&inbox.notice, 1)));
   }
 
