@@ -1,6 +1,6 @@
 #pragma once
 // transport::detail::CudaIpc<X> — what transport::CudaStaged needs to pass device bytes between
-// processes on one GPU through CUDA IPC (its Options::ipc; cuda_staged.hpp says how messages go):
+// processes on one GPU through CUDA IPC (CudaStagedOptions::ipc; cuda_staged.hpp says how messages go):
 // which peers share the GPU, the peers' blocks mapped into this process, the small messages of
 // its own it sends over X (acknowledgements, release notices), and the release of blocks that
 // peers may have mapped.

@@ -20,7 +20,7 @@
 // memory) passes through to X untouched; device memory that allocate() did not hand out is
 // refused.
 //
-// With Options::ipc, peers in another process on the same GPU that X reaches without holding
+// With CudaStagedOptions::ipc, peers in another process on the same GPU that X reaches without holding
 // messages behind an unmatched one (SharedMemory, Routed within the machine; cuda_ipc.hpp says
 // why) skip the host. X carries only a descriptor of where the bytes lie in the sender's block
 // (its CUDA IPC handle, an offset, a length), posted once the encode that wrote them is done. The
@@ -69,22 +69,23 @@
 
 namespace gradsync::transport {
 
+// CudaStaged's settings, whatever transport it wraps; a transport's settings are <Name>Options.
+struct CudaStagedOptions {
+  // Peers in other processes on the same GPU, reached over SharedMemory (or Routed within the
+  // machine; not Tcp), exchange device bytes through CUDA IPC, device to device, instead of
+  // through the host mirrors. Every rank must set it alike: construction waits for each peer's
+  // identity. Off by default: it pays only where the processes run under MPS (1.3x the mirrors
+  // in 8 MiB pieces on an H100); without MPS, each a CUDA context the GPU switches between, every
+  // piece waits for another process's copy, and it was 1.7-5.8x slower (docs/design.md).
+  bool ipc = false;
+  // For the identities at construction; at the end, also the longest (5 s at most) it waits for
+  // peers to let go of its blocks.
+  std::chrono::milliseconds setup_timeout = std::chrono::seconds(60);
+};
+
 template <TransportPolicy X>
 class CudaStaged {
  public:
-  struct Options {
-    // Peers in other processes on the same GPU, reached over SharedMemory (or Routed within the
-    // machine; not Tcp), exchange device bytes through CUDA IPC, device to device, instead of
-    // through the host mirrors. Every rank must set it alike: construction waits for each peer's
-    // identity. Off by default: it pays only where the processes run under MPS (1.3x the mirrors
-    // in 8 MiB pieces on an H100); without MPS, each a CUDA context the GPU switches between, every
-    // piece waits for another process's copy, and it was 1.7-5.8x slower (docs/design.md).
-    bool ipc = false;
-    // For the identities at construction; at the end, also the longest (5 s at most) it waits for
-    // peers to let go of its blocks.
-    std::chrono::milliseconds setup_timeout = std::chrono::seconds(60);
-  };
-
   class Request {
    public:
     Request() = default;
@@ -126,7 +127,7 @@ class CudaStaged {
 
   // Device memory on CUDA device `device`; messages through `inner`. With options.ipc, first
   // learns from every peer which of them share the GPU (each must answer within setup_timeout).
-  CudaStaged(X inner, int device, Options options = {})
+  CudaStaged(X inner, int device, CudaStagedOptions options = {})
       : inner_(std::move(inner)),
         device_(device),
         options_(options),
@@ -576,7 +577,7 @@ class CudaStaged {
 
   X inner_;
   int device_;
-  Options options_;
+  CudaStagedOptions options_;
   std::unique_ptr<cuda::Stream> stream_;
   std::unique_ptr<cuda::Stream> copies_;  // sends' copies to their mirrors
   std::unique_ptr<cuda::Stream> landings_;  // receives' copies to their ranges
