@@ -71,7 +71,7 @@ void check_picks(const shipped::Bucketing& bucketing, const shipped::Codec& code
   const Options options{.timeout = 20s};
   const auto picked = on_job("picked", [&](int rank, JobTransport world) {
     const auto sync = make_synchronizer(std::move(world), options, bucketing, codec, topology);
-    CHECK(sync->size() == ranks);
+    if (sync->size() != ranks) return fmt::format("size {} where the job has {} ranks", sync->size(), ranks);
     return averages(*sync, rank);
   });
   const auto typed = on_job("typed", [&](int rank, JobTransport world) {
