@@ -70,4 +70,12 @@ void check(const Options& options, int workers, int rank) {
                                   fmt::format("between 1 and {}", Timeline::max_capacity));
 }
 
+void check_gradient(const std::string& name, DType dtype, int rank) {
+  if (accumulation_dtype(dtype) != DType::f32)
+    throw Error(ErrorKind::unsupported, {.rank = rank, .operation = "add"},
+                fmt::format("gradient {:?} is {}; the asynchronous parameter server averages f32, f16 and bf16 "
+                            "gradients (in f32)",
+                            name, to_string(dtype)));
+}
+
 }  // namespace gradsync::async

@@ -22,7 +22,7 @@
 using namespace gradsync;
 using namespace std::chrono_literals;
 using transport::InProcess;
-using AsyncSync = async::Synchronizer<compression::None, InProcess>;
+using AsyncSync = async::Synchronizer<bucketing::FixedSize, compression::None, InProcess>;
 
 namespace {
 
@@ -63,7 +63,7 @@ void behind_the_others(double tolerance) {
   const auto errors = test::run_ranks(n, [&](InProcess& t) {
     const int rank = t.rank();
     std::vector<float> gradient(elements);
-    async::Synchronizer<C, InProcess> sync(std::move(t), {.staleness = staleness, .quorum = quorum, .timeout = 20s});
+    async::Synchronizer<bucketing::FixedSize, C, InProcess> sync(std::move(t), {.staleness = staleness, .quorum = quorum, .timeout = 20s});
     sync.add("w", view(gradient));
     for (int i = 0; i < iterations; ++i) {
       if (rank == 2 && i == 1) {
@@ -108,25 +108,61 @@ void behind_the_others(double tolerance) {
   }
 }
 
+// A bucketing policy whose rank 0 proposes a new plan at each of `rounds` (and the same plan again
+// at `same`): one bucket of every gradient, then each gradient its own bucket, then the first two
+// together and the rest alone, in turn; marks come in reverse registration order.
+struct ChangingPlan {
+  std::vector<std::uint64_t> rounds, same;
+  int proposals = 0;
+
+  std::string describe() const { return "changing-plan"; }
+  static BucketPlan plan(std::size_t gradients, int kind) {
+    BucketPlan out;
+    for (std::size_t g = gradients; g-- > 0;) {
+      const bool join = out.buckets.empty() || kind == 0 || (kind == 2 && g == 0);
+      if (join) {
+        if (out.buckets.empty()) out.buckets.emplace_back();
+        out.buckets.back().push_back(static_cast<GradId>(g));
+      } else {
+        out.buckets.push_back({static_cast<GradId>(g)});
+      }
+    }
+    return out;
+  }
+  BucketPlan initial_plan(const Layout& layout) { return plan(layout.size(), 0); }
+  bool agreement_due(std::uint64_t i) const {
+    return std::find(rounds.begin(), rounds.end(), i) != rounds.end() || std::find(same.begin(), same.end(), i) != same.end();
+  }
+  std::optional<BucketPlan> end_iteration(const ReadyProfile& profile) {
+    if (std::find(rounds.begin(), rounds.end(), profile.iteration) != rounds.end()) ++proposals;
+    if (!agreement_due(profile.iteration)) return std::nullopt;
+    return plan(profile.layout.size(), (proposals % 2 == 1) ? 1 : 2);
+  }
+  std::optional<Duration> expected_ready(std::size_t) const { return std::nullopt; }
+  void on_late(std::size_t, Duration) {}
+};
+static_assert(BucketingPolicy<ChangingPlan>);
+
 }  // namespace
 
 TEST_SUITE("async") {
   TEST_CASE("staleness 0, quorum N, period 1 is the synchronous parameter server, bit for bit") {
-    // Several gradients, each its own bucket on the synchronous side (so its parts are cut per
-    // gradient, where the asynchronous server cuts the whole gradient), marked in reverse: the same
+    // Several gradients, each its own bucket on the synchronous side, marked in reverse; on the
+    // asynchronous side one bucket of them all (FixedSize) or, as there, one each (PerTensor: "b"
+    // is a bucket of one value, whose chunks for three of the four servers are empty): the same
     // bits only because both servers sum in group order, whichever rank serves an element.
     constexpr int n = 4, iterations = 6;
     constexpr std::size_t elements = 1001;
     constexpr std::size_t cuts[] = {0, 400, 401, 1001};  // gradients "a" 400, "b" 1, "c" 600
-    std::vector<std::uint64_t> async_digest(n), sync_digest(n);
-    const auto run = [&](bool asynchronous, std::vector<std::uint64_t>& digest) {
+    std::vector<std::uint64_t> sync_digest(n), fixed_size_digest(n), per_tensor_digest(n), changing_digest(n);
+    const auto run = [&]<class Bucketing>(bool asynchronous, Bucketing bucketing, std::vector<std::uint64_t>& digest) {
       const auto errors = test::run_ranks(n, [&](InProcess& t) {
         const int rank = t.rank();
         std::vector<float> parameters = test::random_values(elements, 7), gradient(elements);
-        std::optional<AsyncSync> a;
+        std::optional<async::Synchronizer<Bucketing, compression::None, InProcess>> a;
         std::optional<Synchronizer<bucketing::PerTensor, compression::None, topology::ParameterServer, InProcess>> s;
         if (asynchronous)
-          a.emplace(std::move(t), async::Options{.staleness = 0, .period = 1, .timeout = 20s});
+          a.emplace(std::move(t), async::Options{.staleness = 0, .period = 1, .timeout = 20s}, bucketing);
         else
           s.emplace(std::move(t), Options{.timeout = 20s});
         for (int g = 0; g < 3; ++g) {
@@ -149,15 +185,23 @@ TEST_SUITE("async") {
           sgd(parameters, gradient);
           if (a) a->parameters_updated();
         }
-        if (a) a->finish();
+        if (a) {
+          if constexpr (std::is_same_v<Bucketing, ChangingPlan>) CHECK(a->plan() == ChangingPlan::plan(3, 2));
+          a->finish();
+        }
         digest[static_cast<std::size_t>(rank)] = bits_digest(parameters);
       });
       for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
     };
-    run(false, sync_digest);
-    run(true, async_digest);
+    run(false, bucketing::PerTensor{}, sync_digest);
+    run(true, bucketing::FixedSize{}, fixed_size_digest);
+    run(true, bucketing::PerTensor{}, per_tensor_digest);
+    // New plans installed after iterations 1 and 3 (kept after 4), each rank checking its own.
+    run(true, ChangingPlan{.rounds = {1, 3}, .same = {4}}, changing_digest);
     for (int r = 0; r < n; ++r) {
-      CHECK(async_digest[static_cast<std::size_t>(r)] == sync_digest[static_cast<std::size_t>(r)]);
+      CHECK(fixed_size_digest[static_cast<std::size_t>(r)] == sync_digest[static_cast<std::size_t>(r)]);
+      CHECK(per_tensor_digest[static_cast<std::size_t>(r)] == sync_digest[static_cast<std::size_t>(r)]);
+      CHECK(changing_digest[static_cast<std::size_t>(r)] == sync_digest[static_cast<std::size_t>(r)]);
       CHECK(sync_digest[static_cast<std::size_t>(r)] == sync_digest[0]);
     }
   }
@@ -337,6 +381,115 @@ TEST_SUITE("async") {
     for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
   }
 
+  TEST_CASE("a new bucket plan mid-training, at staleness 2: each rank applies every global gradient of the old cut "
+            "before it takes the new one") {
+    // At a round that changes the plan, wait() applies every global gradient so far and nothing
+    // stands in (what it leaves, summed over the run, is exactly the global gradients); in between,
+    // the workers keep their own pace under the new cut.
+    constexpr int n = 3, staleness = 2, iterations = 14;
+    constexpr std::size_t cuts[] = {0, 300, 301, 800};  // three gradients, one of a single value
+    constexpr std::size_t elements = cuts[3];
+    const std::vector<std::uint64_t> rounds{2, 6, 9};
+    std::vector<std::vector<std::vector<float>>> local(static_cast<std::size_t>(n));
+    std::vector<std::vector<double>> global(iterations, std::vector<double>(elements, 0.0));
+    for (int w = 0; w < n; ++w)
+      for (int i = 0; i < iterations; ++i) {
+        local[static_cast<std::size_t>(w)].push_back(
+            test::random_values(elements, 4391u * static_cast<unsigned>(i) + 17u * static_cast<unsigned>(w) + 5u));
+        for (std::size_t e = 0; e < elements; ++e)
+          global[static_cast<std::size_t>(i)][e] += local[static_cast<std::size_t>(w)].back()[e] / n;
+      }
+    const auto errors = test::run_ranks(n, [&](InProcess& t) {
+      const int rank = t.rank();
+      std::mt19937 speed(static_cast<unsigned>(rank) * 7u + 3u);
+      std::uniform_int_distribution<int> pause_us(0, rank == 1 ? 2500 : 400);
+      std::vector<float> gradient(elements);
+      async::Synchronizer<ChangingPlan, compression::None, InProcess> sync(
+          std::move(t), {.staleness = staleness, .timeout = 20s}, ChangingPlan{.rounds = rounds});
+      for (int g = 0; g < 3; ++g)
+        sync.add(std::string(1, static_cast<char>('a' + g)), view(std::span(gradient).subspan(cuts[g], cuts[g + 1] - cuts[g])));
+      std::vector<double> left(elements, 0.0);
+      for (int i = 0; i < iterations; ++i) {
+        std::copy(local[static_cast<std::size_t>(rank)][static_cast<std::size_t>(i)].begin(),
+                  local[static_cast<std::size_t>(rank)][static_cast<std::size_t>(i)].end(), gradient.begin());
+        std::this_thread::sleep_for(std::chrono::microseconds(pause_us(speed)));
+        for (GradId g = 3; g-- > 0;) sync.ready(g);
+        const bool last = i + 1 == iterations;
+        const bool round = std::find(rounds.begin(), rounds.end(), static_cast<std::uint64_t>(i)) != rounds.end();
+        if (last) sync.wait(0); else sync.wait();
+        for (std::size_t e = 0; e < elements; ++e) left[e] += gradient[e];
+        CHECK(sync.last_step().age <= staleness);
+        if (!round && !last) continue;
+        CAPTURE(i);
+        CHECK(sync.last_step().local_parts == 0);
+        for (std::size_t e = 0; e < elements; ++e) {
+          double expected = 0, scale = 0;
+          for (int j = 0; j <= i; ++j) {
+            expected += global[static_cast<std::size_t>(j)][e];
+            scale += std::fabs(global[static_cast<std::size_t>(j)][e]);
+          }
+          REQUIRE(std::fabs(left[e] - expected) <= 1e-5 * (scale + 1));
+        }
+      }
+      CHECK(sync.plan() == ChangingPlan::plan(3, 1));  // the third proposal: kind 1
+      sync.finish();
+    });
+    for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
+  }
+
+  TEST_CASE("time-clustered buckets and a lossy codec: the plan profiled on rank 0 is installed everywhere") {
+    // Three layers, each a weight and a bias marked together, 15 ms apart: after 5 profiled
+    // iterations TimeClustered proposes a bucket per layer, installed at iteration 4's round; the
+    // workers go on at staleness 1 with fp16 pushes and global gradients.
+    constexpr int n = 3, staleness = 1, iterations = 10, layers = 3;
+    constexpr std::size_t weight = 200, bias = 8, elements = layers * (weight + bias);
+    std::vector<std::vector<std::vector<float>>> local(static_cast<std::size_t>(n));
+    std::vector<double> global(elements, 0.0), scale(elements, 0.0);  // summed over the iterations
+    for (int w = 0; w < n; ++w)
+      for (int i = 0; i < iterations; ++i) {
+        local[static_cast<std::size_t>(w)].push_back(
+            test::random_values(elements, 6007u * static_cast<unsigned>(i) + 11u * static_cast<unsigned>(w) + 1u));
+        for (std::size_t e = 0; e < elements; ++e) {
+          global[e] += local[static_cast<std::size_t>(w)].back()[e] / n;
+          scale[e] += std::fabs(local[static_cast<std::size_t>(w)].back()[e]);
+        }
+      }
+    std::vector<BucketPlan> plans(static_cast<std::size_t>(n));
+    const auto errors = test::run_ranks(n, [&](InProcess& t) {
+      const int rank = t.rank();
+      std::vector<float> gradient(elements);
+      async::Synchronizer<bucketing::TimeClustered, compression::Fp16, InProcess> sync(
+          std::move(t), {.staleness = staleness, .timeout = 20s},
+          bucketing::TimeClustered{.min_bucket_bytes = 0, .log = false});
+      for (int l = 0; l < layers; ++l) {
+        const std::size_t at = static_cast<std::size_t>(l) * (weight + bias);
+        sync.add(fmt::format("layer{}.weight", l), view(std::span(gradient).subspan(at, weight)));
+        sync.add(fmt::format("layer{}.bias", l), view(std::span(gradient).subspan(at + weight, bias)));
+      }
+      std::vector<double> left(elements, 0.0);
+      for (int i = 0; i < iterations; ++i) {
+        const auto& mine = local[static_cast<std::size_t>(rank)][static_cast<std::size_t>(i)];
+        std::copy(mine.begin(), mine.end(), gradient.begin());
+        for (GradId g = 2 * layers; g > 0; g -= 2) {  // backward: the last layer first
+          std::this_thread::sleep_for(15ms);
+          sync.ready(g - 1);
+          sync.ready(g - 2);
+        }
+        if (i + 1 == iterations) sync.wait(0); else sync.wait();
+        for (std::size_t e = 0; e < elements; ++e) left[e] += gradient[e];
+      }
+      plans[static_cast<std::size_t>(rank)] = sync.plan();
+      for (std::size_t e = 0; e < elements; ++e) {
+        CAPTURE(e);
+        REQUIRE(std::fabs(left[e] - global[e]) <= 2e-3 * scale[e]);  // fp16's rounding, pushed and pulled
+      }
+      sync.finish();
+    });
+    for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
+    CHECK(plans[0].buckets.size() == static_cast<std::size_t>(layers));
+    for (int r = 1; r < n; ++r) CHECK(plans[static_cast<std::size_t>(r)] == plans[0]);
+  }
+
   TEST_CASE("a worker behind the others pulls once an iteration and gets the global gradients it missed summed") {
     behind_the_others<compression::None>(1e-5);
     // A lossy codec: the server decodes, sums and encodes again for that worker.
@@ -367,7 +520,7 @@ TEST_SUITE("async") {
 
   TEST_CASE("a killed worker: with quorum < N the others go on and name it, with quorum N they fail fast naming it") {
     using transport::SharedMemory;
-    using ShmAsync = async::Synchronizer<compression::None, SharedMemory>;
+    using ShmAsync = async::Synchronizer<bucketing::FixedSize, compression::None, SharedMemory>;
     constexpr int n = 3, iterations = 10;
     for (const int quorum : {2, 3}) {
       CAPTURE(quorum);
@@ -420,8 +573,8 @@ TEST_SUITE("async") {
     CHECK_THROWS_AS(AsyncSync(std::move(world[1]), {.staleness = -1}), Error);
     // The codec's settings are checked as the Synchronizer checks them.
     auto more = InProcess::create_world(2);
-    using TwoBitSync = async::Synchronizer<compression::TwoBit, InProcess>;
-    CHECK_THROWS_WITH_AS(TwoBitSync(std::move(more[0]), {}, compression::TwoBit{.threshold = -0.5f}),
+    using TwoBitSync = async::Synchronizer<bucketing::FixedSize, compression::TwoBit, InProcess>;
+    CHECK_THROWS_WITH_AS(TwoBitSync(std::move(more[0]), {}, {}, compression::TwoBit{.threshold = -0.5f}),
                          doctest::Contains("threshold"), Error);
     CHECK_THROWS_WITH_AS(AsyncSync(std::move(more[1]), {.timeout = 0s}), doctest::Contains("timeout"), Error);
     std::vector<float> gradient(10, 1.0f);

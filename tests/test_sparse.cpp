@@ -257,7 +257,7 @@ TEST_SUITE("sparse") {
                                                                       sparse::EmbeddingTable& table,
                                                                       auto& exchange) -> std::string {
       using Borrowed = transport::Borrowed<RoutedWorld>;
-      async::Synchronizer<compression::None, Borrowed> dense(Borrowed(world), {.staleness = 0, .period = 2, .timeout = 20s});
+      async::Synchronizer<bucketing::TimeClustered, compression::None, Borrowed> dense(Borrowed(world), {.staleness = 0, .period = 2, .timeout = 20s});
       std::vector<float> gradient(1500), parameters(1500, 1.0f);
       dense.add("w", view(gradient));
       dense.add_parameters(parameters);

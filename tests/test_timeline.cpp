@@ -122,7 +122,7 @@ TEST_SUITE("timeline") {
     const std::string path = (dir / "trace.json").string();
     const auto errors = test::run_ranks(2, [&](InProcess& t) {
       std::vector<float> weight = test::random_values(3000, 5u + static_cast<unsigned>(t.rank()));
-      async::Synchronizer<compression::None, InProcess> sync(std::move(t), {.staleness = 1, .timeline = path});
+      async::Synchronizer<bucketing::PerTensor, compression::None, InProcess> sync(std::move(t), {.staleness = 1, .timeline = path});
       sync.add("w", view(weight));
       for (int i = 0; i < iterations; ++i) {
         sync.ready(0);

@@ -72,10 +72,8 @@ std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
 }
 
 // The synchronous Synchronizer the options pick, from the library's shipped combinations.
-int run(const Options& o, tk::JobTransport transport, const gs::shipped::Codec& codec) {
-  gs::shipped::Bucketing bucketing;
-  if (o.bucketing == "per-tensor") bucketing = gs::bucketing::PerTensor{};
-  if (o.bucketing == "time-clustered") bucketing = gs::bucketing::TimeClustered{};
+int run(const Options& o, tk::JobTransport transport, const gs::shipped::Bucketing& bucketing,
+        const gs::shipped::Codec& codec) {
   gs::shipped::Topology topology;
   if (o.topology == "parameter-server")
     topology = gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated};
@@ -90,10 +88,10 @@ int run(const Options& o, tk::JobTransport transport, const gs::shipped::Codec& 
 // The asynchronous parameter server. Its workers keep their own pace, so the samples per second
 // of an epoch are each worker's own rate added up, gathered by an allreduce on the same
 // connections once training is over.
-template <class Codec>
-int run_asynchronous(const Options& o, tk::JobTransport transport, const Codec& codec) {
+template <class Bucketing, class Codec>
+int run_asynchronous(const Options& o, tk::JobTransport transport, const Bucketing& bucketing, const Codec& codec) {
   using Borrowed = gs::transport::Borrowed<tk::JobTransport>;
-  gs::async::Synchronizer<Codec, Borrowed> sync(Borrowed(transport), o.asynchronous, codec);
+  gs::async::Synchronizer<Bucketing, Codec, Borrowed> sync(Borrowed(transport), o.asynchronous, bucketing, codec);
   const auto workers = static_cast<std::size_t>(sync.size());
   const std::string topology =
       fmt::format("asynchronous parameter-server(staleness={}, quorum={}, period={})", o.asynchronous.staleness,
@@ -117,8 +115,12 @@ int run(const Options& o) {
   settings.seed = o.train.seed;
   settings.rank = transport.rank();
   const gs::shipped::Codec codec = tk::codec_named(o.codec, settings);
-  if (!o.is_asynchronous) return run(o, std::move(transport), codec);
-  return std::visit([&](const auto& c) { return run_asynchronous(o, std::move(transport), c); }, codec);
+  gs::shipped::Bucketing bucketing;
+  if (o.bucketing == "per-tensor") bucketing = gs::bucketing::PerTensor{};
+  if (o.bucketing == "time-clustered") bucketing = gs::bucketing::TimeClustered{};
+  if (!o.is_asynchronous) return run(o, std::move(transport), bucketing, codec);
+  return std::visit([&](const auto& b, const auto& c) { return run_asynchronous(o, std::move(transport), b, c); },
+                    bucketing, codec);
 }
 
 }  // namespace

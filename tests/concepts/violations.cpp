@@ -58,7 +58,7 @@ using Sync = gs::Synchronizer<BucketingWithoutPlan, None, Ring, InProcess>;
 #elif CASE == 4
 using Sync = gs::Synchronizer<PerTensor, None, TopologyWithWrongSchedule, InProcess>;
 #elif CASE == 5
-using Sync = gs::async::Synchronizer<None, OrderMatchedInProcess>;
+using Sync = gs::async::Synchronizer<PerTensor, None, OrderMatchedInProcess>;
 #endif
 
 int main() { return sizeof(Sync) > 0 ? 0 : 1; }

@@ -10,11 +10,14 @@
 // synchronizer's dead-peer policy.
 //
 // Wire format (tags: engine::control_tag with ControlMessage::async_parameter_server and the Kind):
-// a push is its iteration and 8 bytes of zeros, then the codec's encoding of the part; a pull is
-// the oldest iteration wanted; a reply is the newest iteration it brings, how many it brings (c),
-// each one's contributors (a bit per worker), oldest first, then the encoding of their sum;
-// parameters and averages are a part's plain f32 values; done is empty.
+// a push is its iteration and its bucket, then the codec's encoding of that bucket's chunk of the
+// part (parts.hpp); a pull is the oldest iteration wanted; a reply is the newest iteration it
+// brings, how many it brings (c), each one's contributors (a bit per worker), oldest first, then
+// the encoding of their sum (the whole part); parameters and averages are a part's plain f32
+// values; done and a plan round's up are empty, its down an encoded plan or empty
+// (plan_round.hpp).
 
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -37,12 +40,13 @@
 namespace gradsync::async::detail {
 
 // Message kinds: offsets of ControlMessage::async_parameter_server (engine/tag.hpp).
-enum Kind : std::uint32_t { push = 0, pull = 1, reply = 2, parameters = 3, average = 4, done = 5 };
+enum Kind : std::uint32_t { push = 0, pull = 1, reply = 2, parameters = 3, average = 4, done = 5, up = 6, down = 7 };
 
 // Every request this rank posts, per peer.
 enum Site : std::uint32_t {
   push_sent, push_received, pull_sent, pull_received, reply_sent, reply_received,
-  parameters_sent, parameters_received, average_sent, average_received, done_sent, done_received, sites
+  parameters_sent, parameters_received, average_sent, average_received, done_sent, done_received,
+  up_sent, up_received, down_sent, down_received, sites
 };
 
 inline constexpr std::size_t header_bytes = 16;  // a push's, and a reply's before its contributors
@@ -84,7 +88,12 @@ class Messages final : private transport::CompletionSink {
   std::size_t requests() const noexcept { return requests_.size(); }
 
   bool dead(int peer) const { return dead_[static_cast<std::size_t>(peer)] != 0; }
-  void mark_dead(int peer) { dead_[static_cast<std::size_t>(peer)] = 1; }
+  void mark_dead(int peer) {
+    dead_[static_cast<std::size_t>(peer)] = 1;
+    dead_mask_ |= std::uint64_t{1} << peer;
+  }
+  int dead_count() const noexcept { return std::popcount(dead_mask_); }
+  std::uint64_t dead_mask() const noexcept { return dead_mask_; }  // bit p: group rank p is dead
   bool posted(Site site, int peer) const { return posted_[index(site, peer)] != 0; }
   // Bytes this rank has sent to others (what goes to itself crosses no link).
   std::uint64_t bytes_sent() const noexcept { return sent_; }
@@ -203,7 +212,7 @@ class Messages final : private transport::CompletionSink {
     const bool as_worker = site == push_sent || site == pull_sent || site == reply_received ||
                            site == parameters_sent || site == average_received;
     const bool sent = site == push_sent || site == pull_sent || site == reply_sent || site == parameters_sent ||
-                      site == average_sent || site == done_sent;
+                      site == average_sent || site == done_sent || site == up_sent || site == down_sent;
     timeline_->record(sent ? Timeline::Kind::send : Timeline::Kind::recv, posted_at_[i],
                       static_cast<std::uint32_t>(as_worker ? peer : group_.rank), bytes,
                       group_.members[static_cast<std::size_t>(peer)]);
@@ -218,6 +227,7 @@ class Messages final : private transport::CompletionSink {
   std::vector<std::uint8_t> posted_;           // per request: its completion not handled yet
   std::vector<std::int64_t> posted_at_;        // per request, on the timeline: when it was posted
   std::vector<std::uint8_t> dead_;             // per peer: failed and left behind
+  std::uint64_t dead_mask_ = 0;
   std::uint64_t sent_ = 0;
 
   std::mutex events_mutex_;

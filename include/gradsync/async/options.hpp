@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "gradsync/types.hpp"
+
 namespace gradsync::async {
 
 struct Options {
@@ -40,5 +42,7 @@ struct StepReport {
 // Throws Error(invalid_argument or unsupported), naming `rank`, where `options` do not fit a job of
 // `workers` ranks. Compiled once, in src/options.cpp.
 void check(const Options& options, int workers, int rank);
+// Throws Error(unsupported), naming `rank`, for a gradient the server cannot average (f64).
+void check_gradient(const std::string& name, DType dtype, int rank);
 
 }  // namespace gradsync::async

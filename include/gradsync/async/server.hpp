@@ -1,8 +1,10 @@
 #pragma once
 // async::detail::PartServer — the server role of the asynchronous parameter server: rank p serves
-// part p of every worker's gradient (async/synchronizer.hpp says how the gradient is cut).
+// part p of every worker's gradient (async/parts.hpp says how the gradient is cut).
 //
-// It closes iteration t of its part when M = quorum pushes of t have arrived: it sums them in group
+// A worker's push of iteration t comes chunk by chunk, one message per bucket of the plan in plan
+// order; once all its chunks are in, it counts as a push of t. The server closes iteration t of
+// its part when M = quorum pushes of t have arrived: it sums them in group
 // order (as topology::ParameterServer's roots do: an element's sum does not depend on which rank
 // serves it), divides by M, encodes the result once and keeps that encoding, with which workers it
 // used, for the pulls. It keeps the last kept_globals(N, staleness) for workers that pull behind the
@@ -20,12 +22,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <span>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "gradsync/async/messages.hpp"
+#include "gradsync/async/parts.hpp"
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/error.hpp"
@@ -35,38 +40,59 @@ namespace gradsync::async::detail {
 template <CompressionPolicy C, TransportPolicy X>
 class PartServer {
  public:
-  // Serves `own` values; workers' pushes are encodings of parts of at most `biggest` values.
-  PartServer(Messages<X>& messages, const C& codec, int quorum, int staleness, std::size_t own, std::size_t biggest)
+  // Buffers for any plan of `gradients` gradients holding `elements` values (Parts' bounds); the
+  // plan itself comes with install().
+  PartServer(Messages<X>& messages, const C& codec, int quorum, int staleness, std::size_t elements,
+             std::size_t gradients)
       : m_(messages),
         codec_(codec),
         quorum_(quorum),
         staleness_(staleness),
-        own_(own),
+        part_bound_(Parts::part_bound(elements, gradients, n())),
         window_(static_cast<std::size_t>(staleness) + 2),
         kept_globals_(kept_globals(n(), staleness)) {
     X& transport = m_.transport();
     const auto workers = static_cast<std::size_t>(n());
-    const std::size_t encoded = codec_.max_encoded_bytes(biggest, DType::f32);
+    const std::size_t pushed = codec_.max_encoded_bytes(Parts::chunk_bound(elements, n()), DType::f32);
+    const std::size_t encoded = codec_.max_encoded_bytes(part_bound_, DType::f32);
     for (std::size_t w = 0; w < workers; ++w) {
-      received_pushes_.emplace_back(&transport, header_bytes + encoded);
+      received_pushes_.emplace_back(&transport, header_bytes + pushed);
       summed_bytes_.emplace_back(&transport, reply_header_bytes(static_cast<std::size_t>(kept_globals_)) + encoded);
-      summed_states_.push_back(codec_.make_state(own_, DType::f32));
     }
     for (int g = 0; g < kept_globals_; ++g)
       globals_.emplace_back().bytes = gradsync::detail::TransportBuffer<X>(&transport, reply_header_bytes(1) + encoded);
     reply_slots_.reserve(static_cast<std::size_t>(kept_globals_));
-    summed_.assign(own_, 0.0f);
-    contributions_.assign(window_ * workers * own_, 0.0f);
+    contributions_.assign(window_ * workers * part_bound_, 0.0f);
     arrived_.assign(window_ * workers, 0);
+    chunks_arrived_.assign(window_ * workers, 0);
     arrivals_.assign(window_, 0);
-    sum_.assign(own_, 0.0f);
-    global_state_ = codec_.make_state(own_, DType::f32);
     received_pull_.assign(workers, 0);
     pushes_received_.assign(workers, 0);
     pulls_received_.assign(workers, 0);
     replies_sent_.assign(workers, 0);
     parked_.assign(workers, nothing);
+    held_.assign(workers, nothing);
     reply_from_.assign(workers, -1);
+  }
+
+  // The plan's cut, for pushes of iterations after the last closed one: at the start, and where
+  // every worker has every global gradient of the old cut it will ever need (none is kept). The
+  // codec's states start afresh.
+  void install(const Parts& parts) {
+    parts_ = parts;
+    own_ = parts_.part_size(m_.group().rank);
+    own_buckets_.clear();
+    for (std::size_t b = 0; b < parts_.buckets(); ++b)
+      if (parts_.chunk(b, m_.group().rank).size > 0) own_buckets_.push_back(b);
+    summed_.assign(own_, 0.0f);
+    sum_.assign(own_, 0.0f);
+    global_state_ = codec_.make_state(own_, DType::f32);
+    summed_states_.clear();
+    for (int w = 0; w < n(); ++w) summed_states_.push_back(codec_.make_state(own_, DType::f32));
+    for (GlobalSlot& g : globals_) g.filled = false;
+    hold_.reset();
+    for (int w = 0; w < n(); ++w)
+      if (held_[w] != nothing) pushed(w, std::exchange(held_[w], nothing));
   }
 
   // Posts the standing receives of every worker's pushes and pulls.
@@ -77,11 +103,22 @@ class PartServer {
     }
   }
 
-  // Worker w's push has arrived: its contribution counts, and the next one is awaited.
+  // Worker w's push has arrived: its contribution counts, and the next one is awaited; while a new
+  // plan is on its way (hold), a push of a later iteration than the last of the old plan waits,
+  // in its buffer, for install().
   void pushed(int w, std::size_t bytes) {
+    std::uint64_t t = 0;
+    if (bytes >= 8) std::memcpy(&t, received_pushes_[w].data(), 8);
+    if (hold_ && t > *hold_) {
+      held_[w] = bytes;
+      return;
+    }
     contribute(w, whole(received_pushes_[w]).first(bytes));
     m_.post(push_received, w, false, push, ++pushes_received_[w], whole(received_pushes_[w]));
   }
+
+  // Iteration t is the old plan's last: pushes of later ones wait for install().
+  void hold(std::uint64_t t) { hold_ = t; }
 
   // Worker w's pull has arrived: parked until answer_pull() can answer it.
   void pulled(int w, std::size_t bytes) {
@@ -152,8 +189,9 @@ class PartServer {
     const ErrorContext from{.rank = m_.transport().rank(), .peer = m_.group().members[static_cast<std::size_t>(worker)], .operation = "push"};
     if (message.size() < header_bytes)
       throw Error(ErrorKind::protocol, from, fmt::format("a push of {} bytes has no header", message.size()));
-    std::uint64_t t;
+    std::uint64_t t, bucket;
     std::memcpy(&t, message.data(), 8);
+    std::memcpy(&bucket, message.data() + 8, 8);
     const auto next = static_cast<std::uint64_t>(closed_ + 1);
     if (t < next) {
       ++dropped_;  // its iteration closed without it
@@ -163,11 +201,19 @@ class PartServer {
       throw Error(ErrorKind::protocol, from,
                   fmt::format("iteration {} pushed while the oldest open one is {}: beyond staleness {}", t, next,
                               staleness_));
-    const std::size_t own = own_;
     const std::size_t at = (t % window_) * static_cast<std::size_t>(n()) + static_cast<std::size_t>(worker);
+    const std::uint32_t have = chunks_arrived_[at];
+    // A worker's chunks of one iteration come in plan order, the empty ones left out.
+    if (have >= own_buckets_.size() || bucket != own_buckets_[have])
+      throw Error(ErrorKind::protocol, {.rank = from.rank, .peer = from.peer, .bucket = static_cast<std::uint32_t>(bucket), .operation = "push"},
+                  fmt::format("iteration {}: a chunk of bucket {} where bucket {} was due", t, bucket,
+                              have < own_buckets_.size() ? fmt::format("{}", own_buckets_[have]) : "none"));
+    const Chunk& chunk = parts_.chunk(bucket, m_.group().rank);
     const std::int64_t decoding = m_.trace_start();
-    codec_.decode(message.subspan(header_bytes), std::span(contributions_).subspan(at * own, own), DecodeMode::overwrite);
-    m_.trace_compute(Timeline::Kind::decode, decoding, m_.group().rank, own);
+    codec_.decode(message.subspan(header_bytes), std::span(contributions_).subspan(at * part_bound_ + chunk.in_part, chunk.size),
+                  DecodeMode::overwrite);
+    m_.trace_compute(Timeline::Kind::decode, decoding, m_.group().rank, chunk.size);
+    if (++chunks_arrived_[at] < own_buckets_.size()) return;
     arrived_[at] = 1;
     ++arrivals_[t % window_];
     // Iterations close in order: a worker's pushes arrive in order, so a later iteration never
@@ -186,7 +232,7 @@ class PartServer {
     const auto take = [&](int w) {
       const std::size_t at = base + static_cast<std::size_t>(w);
       if (!arrived_[at] || taken == quorum_) return;
-      const float* values = contributions_.data() + at * own;
+      const float* values = contributions_.data() + at * part_bound_;
       if (taken == 0)
         std::copy_n(values, own, sum_.begin());
       else
@@ -213,6 +259,7 @@ class PartServer {
     global->iteration = t;
     global->filled = true;
     std::fill_n(arrived_.begin() + static_cast<std::ptrdiff_t>(base), n(), std::uint8_t{0});
+    std::fill_n(chunks_arrived_.begin() + static_cast<std::ptrdiff_t>(base), n(), std::uint32_t{0});
     arrivals_[t % window_] = 0;
     closed_ = static_cast<std::int64_t>(t);
   }
@@ -234,15 +281,21 @@ class PartServer {
   C codec_;
   int quorum_;
   int staleness_;
-  std::size_t own_;     // values of the served part
-  std::size_t window_;  // iterations that can be open at once, and one more
+  std::size_t part_bound_;  // the most values a served part can hold (Parts::part_bound)
+  std::size_t window_;      // iterations that can be open at once, and one more
+  Parts parts_;
+  std::size_t own_ = 0;                  // values of the served part
+  std::vector<std::size_t> own_buckets_;  // the buckets whose chunk here is not empty, in plan order
   int kept_globals_;
   std::vector<gradsync::detail::TransportBuffer<X>> received_pushes_;  // per worker
   std::vector<std::uint64_t> received_pull_, pushes_received_, pulls_received_, replies_sent_;
   std::vector<std::uint64_t> parked_;  // per worker: the oldest iteration its unanswered pull takes
+  std::optional<std::uint64_t> hold_;  // the old plan's last iteration, while a new one is on its way
+  std::vector<std::size_t> held_;      // per worker: the bytes of its push held for install(), or nothing
   std::vector<int> reply_from_;        // per worker: the global slot its reply in flight reads
-  std::vector<float> contributions_;   // window x N pushes, decoded
-  std::vector<std::uint8_t> arrived_;
+  std::vector<float> contributions_;   // window x N pushes, decoded (part_bound_ values each)
+  std::vector<std::uint32_t> chunks_arrived_;  // window x N: chunks of that push in so far
+  std::vector<std::uint8_t> arrived_;          // window x N: all of them
   std::vector<std::uint32_t> arrivals_;
   std::vector<float> sum_;
   typename C::State global_state_{};

@@ -6,50 +6,38 @@
 // never more than `staleness` iterations behind, and every `period` iterations the workers'
 // parameters are averaged.
 //
-// Roles, each owning its state (async/): every rank is a Worker (worker.hpp: its gradient cut into
-// N parts, pushed, the global gradients pulled and applied) and a PartServer of one part
-// (server.hpp: part p served by group rank p, co-located as topology::ParameterServer's); a
-// PeriodAverage (period_average.hpp) averages the registered parameters. They post through one
-// Messages (messages.hpp: the wire format, the requests, the inbox). A worker talks to the server
-// of its own part through the transport too (every transport carries messages to itself). This
-// class is where they meet: the trainer's calls, the communication thread, the dead-peer policy.
+// Roles, each owning its state (async/): every rank is a Worker (worker.hpp: its gradient pushed
+// bucket by bucket as backward readies each, cut as parts.hpp says; the global gradients pulled
+// and applied) and the PartServer (server.hpp) of part p = its group rank; PeriodAverage
+// (period_average.hpp), PlanRound (plan_round.hpp: new bucket plans) and EndOfTraining
+// (end_of_training.hpp). They post through one Messages (messages.hpp). This class is where they
+// meet: the trainer's calls, the communication thread, the dead-peer policy.
 //
-// An iteration t, on the trainer's thread: ready() for every gradient (the last one wakes the
-// communication thread, which packs and pushes them); wait() leaves in the gradients what this
-// iteration applies, blocking while a part's newest global gradient is older than t - staleness
-// (staleness 0: it waits for iteration t itself and applies exactly g_t); the trainer updates its
-// parameters, then parameters_updated(), which at the end of every period of `period` iterations
-// waits for the parameters' average. With staleness 0 and quorum N (any period) every wait()
-// applies exactly g_t, and with period 1 the result is, bit for bit, the synchronous parameter
-// server's (topology::ParameterServer, co-located, identity codec, any bucketing): every element
-// summed in group order, the same division; the period average of identical parameters is
-// accumulated in f64 and so gives them back unchanged. (With a lossy codec a server's own
-// worker's part is encoded too, where the synchronous server adds its raw values.) Every rank
-// calls finish() after its last wait(): servers keep answering until every worker has finished.
+// An iteration t, on the trainer's thread: ready() for every gradient (each bucket's last wakes
+// the communication thread, which packs it and pushes its chunks); wait() leaves in the gradients
+// what this iteration applies, blocking while a part's newest global gradient is older than
+// t - staleness (staleness 0: it waits for iteration t itself and applies exactly g_t); the trainer
+// updates its parameters, then parameters_updated(), which at the end of every period of `period`
+// iterations waits for the parameters' average. With staleness 0 and quorum N every wait()
+// applies exactly g_t; with period 1 too, the result is the synchronous parameter server's bit for
+// bit (identity codec, any bucketing on either side; docs/design.md says why). Every rank calls
+// finish() after its last wait().
 //
 // Gradients are registered as the Synchronizer's are (engine::Gradients: add(name, TensorView), f32
 // or f16/bf16 averaged in f32, host or CUDA memory staged through the host; a host transport only),
 // and at the first ready() or wait() the ranks check they registered the same gradients,
-// parameters and settings (engine::agree_on_layout): each is told what differs.
+// parameters and policies (engine::agree_on_layout): each is told what differs. The bucketing
+// policy's plans are agreed in rounds (plan_round.hpp; a new one costs that iteration its
+// staleness) with quorum N only: a round needs every rank, which a quorum below N exists to
+// avoid, so there the policy's initial plan stays (TimeClustered's is FixedSize's).
 //
-// A dead rank. When the transport says a peer failed (Error(peer_failed) naming it, for a message
-// to or from it: a killed process over Tcp or SharedMemory), the others go on without it as long
-// as the quorum can still be met (at most N - M dead); one more is an Error naming it. Its server
-// is gone with it, so its part keeps each worker's local gradient from then on, and period
-// averages cover the live workers; StepReport::lost_workers names the dead. With quorum N every
-// death is an Error. (A rank that aborts fails the transport for everyone, which no quorum hides.)
-// Once this rank is in finish(), a peer that goes is not a failure: ranks close only after every
-// worker has finished.
-//
-// Timeline. With Options::timeline (or GRADSYNC_TIMELINE) set, each rank writes Chrome trace
-// events (timeline.hpp) when it is destroyed: ready marks and wait() on the trainer's thread;
-// every push, pull, reply, parameter and average message as a transfer from posting to completion
-// (its "bucket" is the part it carries); the encodes and decodes of pushes and global gradients.
+// A dead rank: the others go on without it while the quorum can still be met (leave_behind()).
+// Timeline (Options::timeline or GRADSYNC_TIMELINE): ready marks and wait() here, the roles'
+// messages, encodes and decodes (messages.hpp).
 //
 // Not yet: dedicated servers and partition counts other than N (a dead rank's part could then move
-// to a live server); f64 gradients; a bucketing policy (one bucket, pushed once backward is done).
+// to a live server); f64 gradients (a second flat gradient and codec path, per accumulation dtype).
 
-#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -64,9 +52,12 @@
 
 #include <fmt/format.h>
 
+#include "gradsync/async/end_of_training.hpp"
 #include "gradsync/async/messages.hpp"
 #include "gradsync/async/options.hpp"
+#include "gradsync/async/parts.hpp"
 #include "gradsync/async/period_average.hpp"
+#include "gradsync/async/plan_round.hpp"
 #include "gradsync/async/server.hpp"
 #include "gradsync/async/worker.hpp"
 #include "gradsync/concepts.hpp"
@@ -81,24 +72,27 @@
 
 namespace gradsync::async {
 
-template <CompressionPolicy C, TransportPolicy X>
+template <BucketingPolicy B, CompressionPolicy C, TransportPolicy X>
 class Synchronizer {
   static_assert(!DeviceTransport<X>, "async::Synchronizer works in host memory: give it a host transport");
   static_assert(!OrderMatchedTransport<X>, "async::Synchronizer's messages come in the workers' own order, which a "
                                            "transport matching by posting order (transport::Nccl) cannot carry");
 
  public:
-  Synchronizer(X transport, Options options = {}, C codec = {})
+  Synchronizer(X transport, Options options = {}, B bucketing = {}, C codec = {})
       : transport_(std::move(transport)),
         options_(options),
+        bucketing_(std::move(bucketing)),
         codec_(std::move(codec)),
         group_(Group::world(transport_.rank(), transport_.size())),
         n_(group_.size()),
         quorum_(options.quorum == 0 ? n_ : options.quorum),
         gradients_(transport_),
         messages_(transport_, group_, nullptr, [this](int peer, const Error& e) { leave_behind(peer, e); }),
-        period_(messages_) {
+        period_(messages_),
+        end_(messages_) {
     check(options_, n_, transport_.rank());
+    gradsync::detail::validate_policy(bucketing_);
     gradsync::detail::validate_policy(codec_);
     gradients_.open_timeline(options_.timeline, fmt::format("{}.async", transport_.rank()), options_.timeline_events,
                              log_to_stderr);
@@ -132,17 +126,12 @@ class Synchronizer {
   void finish() {
     if (!thread_.joinable() || finished_) return;
     std::unique_lock lock(mutex_);
-    finishing_ = true;
-    lock.unlock();
-    messages_.wake();
-    lock.lock();
-    if (!state_cv_.wait_until(lock, Clock::now() + options_.timeout, [&] {
-          return error_ || (everyone_done() && done_posted_ && done_sends_left() == 0);
-        }))
-      throw Error(ErrorKind::timeout, here("finish"),
-                  fmt::format("{} of {} workers finished within {} ms",
-                              std::count(done_from_.begin(), done_from_.end(), 1), n_, options_.timeout.count()));
-    if (error_) throw *error_;
+    end_.begin();
+    await(lock, Clock::now() + options_.timeout, [&] { return end_.over(); }, [&] {
+      return Error(ErrorKind::timeout, here("finish"),
+                   fmt::format("{} of {} workers finished within {} ms", end_.finished_workers(), n_,
+                               options_.timeout.count()));
+    });
     finished_ = true;
   }
 
@@ -150,16 +139,11 @@ class Synchronizer {
   // through host memory) in the same order on every rank, before the first ready() or wait(). The
   // ranks check at the first of those that they registered the same gradients and settings.
   GradId add(std::string name, TensorView gradient) {
-    if (accumulation_dtype(gradient.dtype) != DType::f32)
-      throw Error(ErrorKind::unsupported, here("add"),
-                  fmt::format("gradient {:?} is {}; the asynchronous parameter server averages f32, f16 and bf16 "
-                              "gradients (in f32)",
-                              name, to_string(gradient.dtype)));
+    check_gradient(name, gradient.dtype, transport_.rank());
     return gradients_.add(std::move(name), gradient);
   }
 
-  // Registers parameters for the period average (f32, the same sizes in the same order on every
-  // rank), before the first ready().
+  // Parameters for the period average (f32, the same on every rank), before the first ready().
   void add_parameters(std::span<float> parameters) {
     if (thread_.joinable())
       throw Error(ErrorKind::invalid_argument, here("add_parameters"), "parameters registered after the first ready()");
@@ -177,10 +161,8 @@ class Synchronizer {
   void wait() { wait(options_.staleness); }
 
   // wait() with a tighter bound for this iteration only, 0 <= staleness <= Options::staleness.
-  // wait(0) blocks until every part's global gradient of this iteration has come, so what it
-  // leaves brings the worker to every global gradient up to now with no stand-in left in its
-  // parameters: the model to evaluate or save at the end of an epoch or of training (on fmnist,
-  // worth 1.9 points of one-epoch test accuracy at staleness 2 and 5.8 at staleness 4).
+  // wait(0) leaves every global gradient up to now applied and no stand-in: the model to evaluate
+  // or save (on fmnist worth 1.9 points of one-epoch test accuracy at staleness 2, 5.8 at 4).
   void wait(int staleness) {
     if (staleness < 0 || staleness > options_.staleness)
       throw Error(ErrorKind::invalid_argument, here("wait"),
@@ -196,20 +178,24 @@ class Synchronizer {
     if (period_due_)
       throw Error(ErrorKind::invalid_argument, here("wait"),
                   fmt::format("iteration {}: parameters_updated() was not called at the end of the period", t));
-    if (!state_cv_.wait_until(lock, started + options_.timeout,
-                              [&] { return error_ || (worker_->pushed() > t && worker_->applicable(t, staleness)); }))
-      throw too_old(t, staleness);
-    if (error_) throw *error_;
+    std::optional<BucketPlan> new_plan = plan_round(t, lock, started + options_.timeout);
+    if (new_plan) staleness = 0;  // every global gradient of the old cut applied (plan_round.hpp)
+    await(lock, started + options_.timeout, [&] { return worker_->pushed() > t && worker_->applicable(t, staleness); },
+          [&] { return Error(ErrorKind::timeout, here("wait"), worker_->too_old(t, staleness, options_.timeout)); });
     if (timeline) timeline->record(Timeline::Kind::wait, traced_start, 0, t);
     report_.iteration = t;
     report_.blocked = Clock::now() - started;
     worker_->apply(t, report_);
-    report_.skipped_globals = worker_->skipped_globals();
-    report_.summed_replies = worker_->summed_replies();
-    gradients_.unpack(every_gradient_, worker_->values());
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+      gradients_.unpack(std::span<const GradId>(plan_.buckets[b]),
+                        worker_->values().subspan(parts_.bucket(b).begin, parts_.bucket(b).size()));
+    if (new_plan) {
+      exchange({}, lock, started + options_.timeout);  // every rank has applied them
+      install(std::move(*new_plan));
+    }
     gradients_.next_iteration();
     report_.dropped_pushes = server_->dropped_pushes();
-    report_.lost_workers = lost_;
+    report_.lost_workers = messages_.dead_mask();
     report_.bytes_sent = messages_.bytes_sent() - sent_reported_;
     sent_reported_ = messages_.bytes_sent();
     ++iteration_;
@@ -225,20 +211,18 @@ class Synchronizer {
     if (!period_due_) return;
     const auto deadline = Clock::now() + options_.timeout;
     period_.begin();
-    lock.unlock();
-    messages_.wake();
-    lock.lock();
-    if (!state_cv_.wait_until(lock, deadline, [&] { return error_ || period_.averaged(); }))
-      throw Error(ErrorKind::timeout, here("parameter average"),
-                  fmt::format("period ending at iteration {}: no average within {} ms from {}", iteration_,
-                              options_.timeout.count(), period_.missing()));
-    if (error_) throw *error_;
+    await(lock, deadline, [&] { return period_.averaged(); }, [&] {
+      return Error(ErrorKind::timeout, here("parameter average"),
+                   fmt::format("period ending at iteration {}: no average within {} ms from {}", iteration_,
+                               options_.timeout.count(), period_.missing()));
+    });
     period_.end();
     period_due_ = false;
   }
 
   // What the last wait() applied. Read it between wait() and the next ready().
   const StepReport& last_step() const noexcept { return report_; }
+  const BucketPlan& plan() const noexcept { return plan_; }  // the plan in use (empty before the first ready())
   int rank() const noexcept { return group_.rank; }
   int size() const noexcept { return n_; }
 
@@ -249,6 +233,17 @@ class Synchronizer {
 
   ErrorContext here(const char* operation) const { return {.rank = transport_.rank(), .operation = operation}; }
 
+  // Wakes the communication thread and waits, `lock` held, until done() or its Error (thrown), or
+  // until `deadline`: then throws late().
+  template <class Done, class Late>
+  void await(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, Done&& done, Late&& late) {
+    lock.unlock();
+    messages_.wake();
+    lock.lock();
+    if (!state_cv_.wait_until(lock, deadline, [&] { return error_ || done(); })) throw late();
+    if (error_) throw *error_;
+  }
+
   // Checks the layout with the other ranks and sizes every role, at the first ready() or wait().
   void start() {
     if (error_) throw *error_;  // the layout check failed at an earlier call
@@ -257,27 +252,60 @@ class Synchronizer {
                   "no gradients registered: add() them before the first ready() or wait()");
     check_layout();
     gradients_.freeze();
-    BucketPlan plan{.buckets = {{}}};
-    for (GradId id = 0; id < gradients_.size(); ++id) plan.buckets[0].push_back(id);
-    const std::size_t total =
-        gradients_.place(plan, [&](std::string why) { return Error(ErrorKind::internal, here("plan"), why); })[0].elements;
-    every_gradient_ = std::move(plan.buckets[0]);
-    worker_.emplace(messages_, codec_, options_.staleness, total);
-    server_.emplace(messages_, codec_, quorum_, options_.staleness, worker_->part_size(group_.rank),
-                    worker_->biggest_part());
-    done_from_.assign(static_cast<std::size_t>(n_), 0);
+    std::size_t total = 0;
+    for (const GradientInfo& gradient : gradients_.layout()) total += gradient.count;
+    worker_.emplace(messages_, codec_, options_.staleness, total, gradients_.size());
+    server_.emplace(messages_, codec_, quorum_, options_.staleness, total, gradients_.size());
+    round_.emplace(messages_, gradients_.size());
+    install(bucketing_.initial_plan(gradients_.layout()));
     report_.applied.assign(static_cast<std::size_t>(n_), -1);
     report_.contributors.assign(static_cast<std::size_t>(n_), 0);
     thread_ = std::thread([this] { run(); });
   }
 
-  // Every rank registered the same gradients and parameters, with the same settings, or each is
-  // told what differs (engine::agree_on_layout), before anything is sized by them. A failure is
-  // kept: every later call throws it.
+  // Checks a plan (every gradient in one bucket) and cuts it between the servers (async/parts.hpp).
+  void install(BucketPlan plan) {
+    const std::vector<engine::BucketShape> shapes = gradients_.place(plan, [&](std::string why) {
+      return Error(ErrorKind::invalid_argument, here("plan"),
+                   fmt::format("bucketing policy {} produced an invalid plan: {}", bucketing_.describe(), why));
+    });
+    std::vector<std::size_t> elements;
+    for (const engine::BucketShape& shape : shapes) elements.push_back(shape.elements);
+    plan_ = std::move(plan);
+    parts_ = detail::Parts(elements, n_);
+    worker_->install(parts_);
+    server_->install(parts_);
+  }
+
+  // The plan round of iteration t, if the bucketing policy names one and the quorum is N (the top
+  // of this file): rank 0's new plan, or nullopt to keep the current one.
+  std::optional<BucketPlan> plan_round(std::uint64_t t, std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
+    if (quorum_ < n_) return std::nullopt;
+    const std::optional<BucketPlan> proposal = bucketing_.end_iteration(gradients_.profile(t, &log_));
+    if (!bucketing_.agreement_due(t)) return std::nullopt;
+    exchange(group_.rank == 0 && proposal && *proposal != plan_ ? engine::encode_plan(*proposal) : std::string(), lock,
+             deadline);
+    if (round_->text().empty()) return std::nullopt;
+    server_->hold(t);
+    return round_->plan();
+  }
+
+  // One exchange of a plan round, over by `deadline`.
+  void exchange(std::string text, std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
+    round_->begin(std::move(text));
+    await(lock, deadline, [&] { return round_->done(); }, [&] {
+      return Error(ErrorKind::timeout, here("plan round"),
+                   fmt::format("iteration {}: not all ranks came to the plan round in {} ms", iteration_, options_.timeout.count()));
+    });
+    round_->next();
+  }
+
+  // Every rank registered the same gradients, parameters and settings, or each is told what
+  // differs (engine::agree_on_layout), before anything is sized by them. A failure is kept.
   void check_layout() {
     const std::string policies = fmt::format(
-        "asynchronous parameter server: codec={} transport={} world={} staleness={} quorum={} period={} {}",
-        codec_.describe(), transport_.describe(), n_, options_.staleness, quorum_, options_.period, period_.describe());
+        "asynchronous parameter server: bucketing={} codec={} transport={} world={} staleness={} quorum={} period={} {}",
+        bucketing_.describe(), codec_.describe(), transport_.describe(), n_, options_.staleness, quorum_, options_.period, period_.describe());
     try {
       engine::ControlChannel<X> control(transport_, group_, options_.timeout);
       engine::agree_on_membership(control);
@@ -288,27 +316,6 @@ class Synchronizer {
     }
   }
 
-  Error too_old(std::uint64_t t, int staleness) {
-    return Error(ErrorKind::timeout, here("wait"),
-                 worker_->pushed() <= t
-                     ? fmt::format("iteration {}: this rank's push did not leave within {} ms", t, options_.timeout.count())
-                     : fmt::format("iteration {}: no global gradient of iteration {} or later within {} ms for {}", t,
-                                   static_cast<std::int64_t>(t) - staleness, options_.timeout.count(),
-                                   worker_->too_old(t, staleness)));
-  }
-
-  int done_sends_left() const {
-    int left = 0;
-    for (int p = 0; p < n_; ++p) left += messages_.posted(detail::done_sent, p);
-    return left;
-  }
-
-  bool everyone_done() const {
-    for (int w = 0; w < n_; ++w)
-      if (!done_from_[w] && !messages_.dead(w)) return false;
-    return true;
-  }
-
   // ---- the communication thread ----
 
   void run() {
@@ -316,7 +323,8 @@ class Synchronizer {
     try {
       std::unique_lock lock(mutex_);
       server_->start();
-      for (int w = 0; w < n_; ++w) messages_.post(done_received, w, false, done, 0, {});
+      round_->start();
+      end_.start();
       period_.start();
       progress();
       lock.unlock();
@@ -344,15 +352,14 @@ class Synchronizer {
   // a period's parameters and averages, the end of training.
   void progress() {
     using namespace detail;
-    if (gradients_.bucket_complete(0))
-      worker_->push_due(iteration_, [&](std::span<float> flat) { gradients_.pack(0, every_gradient_, flat); });
+    worker_->push_due(
+        iteration_, [&](std::size_t b) { return gradients_.bucket_complete(b); },
+        [&](std::size_t b, std::span<float> values) { gradients_.pack(b, std::span<const GradId>(plan_.buckets[b]), values); });
     for (int p = 0; p < n_; ++p) worker_->refill_pull(p, iteration_);
     for (int w = 0; w < n_; ++w) server_->answer_pull(w);
+    round_->progress();
     period_.progress();
-    if (finishing_ && !done_posted_) {
-      done_posted_ = true;
-      for (int p = 0; p < n_; ++p) messages_.post(done_sent, p, true, done, 0, {});
-    }
+    end_.progress();
   }
 
   void on_completion(std::size_t i) {
@@ -374,55 +381,60 @@ class Synchronizer {
       case reply_received: worker_->reply_arrived(peer, bytes); break;
       case parameters_received: period_.parameters_arrived(peer, bytes); break;
       case average_received: period_.average_arrived(peer, bytes); break;
-      case done_received: done_from_[peer] = 1; break;
-      case push_sent:
-      case pull_sent:
-      case parameters_sent:
-      case average_sent:
-      case done_sent:
-      case sites: break;
+      case done_received: end_.arrived(peer); break;
+      case up_received: round_->up_arrived(peer); break;
+      case down_received: round_->down_arrived(bytes); break;
+      default: break;  // a send has left: its buffer is free, which the role asks the transport
     }
   }
 
-  // A peer's failure, reported for a message to or from it: with quorum < N and the quorum still
-  // within reach the others go on without it (the top of this file); otherwise `e` stands, with
+  // A peer's failure, reported for a message to or from it (Error(peer_failed) naming it: a killed
+  // process over Tcp or SharedMemory). The others go on without it as long as the quorum can still
+  // be met (at most N - M dead); one more is an Error naming it, and with quorum N every death is.
+  // Its server is gone with it, so its part keeps each worker's local gradient from then on, and
+  // period averages cover the live workers; StepReport::lost_workers names the dead. (A rank that
+  // aborts fails the transport for everyone, which no quorum hides.) Any other Error stands, with
   // who and what filled in.
   void leave_behind(int peer, const Error& e) {
     const int member = group_.members[peer];
     if (e.kind() != ErrorKind::peer_failed || e.context().peer != member || peer == group_.rank)
       throw e.filled({.rank = transport_.rank(), .peer = member});
     if (messages_.dead(peer)) return;
-    if (finishing_) {
+    if (end_.finishing()) {
       // This rank's training is over, and so is the peer's, or it would not have closed: every
       // rank closes only once every worker has finished. Nothing more is needed from it.
       messages_.mark_dead(peer);
       return;
     }
-    if (n_ - dead_count_ - 1 < quorum_)
+    const int left = n_ - messages_.dead_count() - 1;
+    if (left < quorum_)
       throw Error(ErrorKind::peer_failed, {.rank = transport_.rank(), .peer = member, .operation = "worker"},
                   fmt::format("rank {} failed and {} of {} workers would be left, fewer than the quorum {}: {}", member,
-                              n_ - dead_count_ - 1, n_, quorum_, e.what()));
+                              left, n_, quorum_, e.what()));
     messages_.mark_dead(peer);
-    ++dead_count_;
-    lost_ |= std::uint64_t{1} << peer;
     server_->forget(peer);
     period_.forget(peer);  // its part's server is gone: the part stays local, its share of an average too
   }
 
   X transport_;
   Options options_;
+  B bucketing_;
   C codec_;
   Group group_;
   int n_;
   int quorum_;
   // The registered gradients, their marks and the timeline (set before the thread: read by both
-  // sides); one bucket holds them all, in registration order: the worker's flat gradient.
+  // sides); the plan's buckets one after another are the worker's flat gradient.
   engine::Gradients<X> gradients_;
-  std::vector<GradId> every_gradient_;
+  BucketPlan plan_;
+  detail::Parts parts_;
   detail::Messages<X> messages_;
   detail::PeriodAverage<X> period_;
+  detail::EndOfTraining<X> end_;
   std::optional<Worker> worker_;  // sized at start()
   std::optional<Server> server_;
+  std::optional<detail::PlanRound<X>> round_;
+  LogSink log_ = log_to_stderr;  // where the bucketing policy says what it plans
   std::thread thread_;
 
   // Shared by the trainer and the thread, under mutex_.
@@ -431,10 +443,7 @@ class Synchronizer {
   std::optional<Error> error_;
   std::uint64_t iteration_ = 0;  // the trainer's
   bool period_due_ = false;
-  bool finishing_ = false, done_posted_ = false, finished_ = false;
-  std::vector<std::uint8_t> done_from_;  // per worker: it has finished, as this rank's server heard
-  int dead_count_ = 0;
-  std::uint64_t lost_ = 0;  // the dead, as a mask
+  bool finished_ = false;
   StepReport report_;
   std::uint64_t sent_reported_ = 0;  // bytes this rank had sent as of the last wait()
 };

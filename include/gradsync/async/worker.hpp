@@ -1,12 +1,13 @@
 #pragma once
 // async::detail::Worker — the worker role of the asynchronous parameter server: its gradient, cut
-// into one part per server (topology::Ring::segment of the whole flat gradient, part p served by
-// group rank p), pushed each iteration, and the global gradients pulled back.
+// into one part per server (async/parts.hpp: each bucket of the plan cut in N chunks, part p served
+// by group rank p), pushed each iteration, and the global gradients pulled back.
 //
-// An iteration t: once every gradient is ready, each part of the local gradient l_t is encoded and
-// pushed to its server, unless a global gradient of iteration t or later has already come for that
-// part (t is closed there, and the push would only be dropped: a straggler's pushes, with quorum <
-// N). Meanwhile one pull per part stays outstanding, "the global gradients after the last one I
+// An iteration t: as each bucket of the local gradient l_t becomes ready (in plan order), its
+// chunks are encoded and pushed to their servers, one message each, while backward goes on; a
+// server is pushed nothing more of t once a global gradient of iteration t or later has come for
+// its part (t is closed there, and the push would only be dropped: a straggler's pushes, with
+// quorum < N). Meanwhile one pull per part stays outstanding, "the global gradients after the last one I
 // have"; each reply is decoded into the part's pending sum as it arrives, and the worker pulls
 // again at once, unless what is pending already reaches the trainer's current iteration: then it
 // pulls again after the next wait(). A worker behind the others thus pulls once an iteration and
@@ -35,6 +36,7 @@
 // rule lost more than the share (examples/fmnist/results/README.md has the runs).
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -46,33 +48,30 @@
 
 #include "gradsync/async/messages.hpp"
 #include "gradsync/async/options.hpp"
+#include "gradsync/async/parts.hpp"
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/error.hpp"
-#include "gradsync/topology/ring.hpp"
 
 namespace gradsync::async::detail {
 
 template <CompressionPolicy C, TransportPolicy X>
 class Worker {
  public:
-  Worker(Messages<X>& messages, const C& codec, int staleness, std::size_t elements)
+  // Buffers for any plan of `gradients` gradients holding `elements` values (Parts' bounds); the
+  // plan itself comes with install().
+  Worker(Messages<X>& messages, const C& codec, int staleness, std::size_t elements, std::size_t gradients)
       : m_(messages), codec_(codec), staleness_(staleness) {
     X& transport = m_.transport();
     const auto parts = static_cast<std::size_t>(n());
-    std::size_t biggest = 0;
+    const std::size_t pushed = codec_.max_encoded_bytes(Parts::chunk_bound(elements, n()), DType::f32);
+    const std::size_t pulled = codec_.max_encoded_bytes(Parts::part_bound(elements, gradients, n()), DType::f32);
     for (int p = 0; p < n(); ++p) {
-      parts_.push_back(topology::Ring::segment(elements, n(), p));
-      biggest = std::max(biggest, parts_.back().size());
-    }
-    const std::size_t encoded = codec_.max_encoded_bytes(biggest, DType::f32);
-    for (int p = 0; p < n(); ++p) {
-      push_bytes_.emplace_back(&transport, header_bytes + encoded);
-      push_states_.push_back(codec_.make_state(parts_[static_cast<std::size_t>(p)].size(), DType::f32));
-      reply_bytes_.emplace_back(&transport, reply_header_bytes(static_cast<std::size_t>(kept_globals(n(), staleness))) + encoded);
+      push_bytes_.emplace_back(&transport, header_bytes + pushed);
+      reply_bytes_.emplace_back(&transport, reply_header_bytes(static_cast<std::size_t>(kept_globals(n(), staleness))) + pulled);
     }
     flat_.assign(elements, 0.0f);
-    pending_flat_.assign(elements, 0.0f);
+    pending_.assign(elements, 0.0f);
     stand_ins_.assign(own_ring() * elements, 0.0f);
     own_.assign(own_ring() * parts, {});
     pending_newest_.assign(parts, -1);
@@ -82,22 +81,25 @@ class Worker {
     pull_min_.assign(parts, 0);
     pulls_sent_.assign(parts, 0);
     pull_outstanding_.assign(parts, 0);
-    pushes_encoded_.assign(parts, 0);
+    next_chunk_.assign(parts, 0);
     pushes_sent_.assign(parts, 0);
   }
 
-  // The flat gradient: l_t while it is pushed, then what wait() leaves.
-  std::span<float> values() noexcept { return flat_; }
-  std::size_t biggest_part() const {
-    std::size_t biggest = 0;
-    for (const ElemRange& part : parts_) biggest = std::max(biggest, part.size());
-    return biggest;
+  // The plan's cut, from the next push on: at the start, and where every global gradient this
+  // worker will ever be sent in the old cut has been applied (nothing pending, nothing standing in).
+  // The codec's push states start afresh.
+  void install(const Parts& parts) {
+    parts_ = parts;
+    push_states_.clear();
+    for (std::size_t b = 0; b < parts_.buckets(); ++b)
+      for (int p = 0; p < n(); ++p) push_states_.push_back(codec_.make_state(parts_.chunk(b, p).size, DType::f32));
+    std::fill(own_.begin(), own_.end(), OwnEntry{});
   }
-  std::size_t part_size(int p) const { return parts_[static_cast<std::size_t>(p)].size(); }
+
+  // The flat gradient, bucket-major: l_t while it is pushed, then what wait() leaves.
+  std::span<float> values() noexcept { return flat_; }
   // Iterations whose pushes have all been encoded.
   std::uint64_t pushed() const noexcept { return pushed_; }
-  std::uint64_t skipped_globals() const noexcept { return skipped_; }
-  std::uint64_t summed_replies() const noexcept { return summed_received_; }
 
   // ---- the trainer's side ----
 
@@ -117,10 +119,14 @@ class Worker {
       apply_part(p, t, report);
       if (applied_[p] >= 0) report.age = std::max(report.age, static_cast<int>(static_cast<std::int64_t>(t) - applied_[p]));
     }
+    report.skipped_globals = skipped_;
+    report.summed_replies = summed_received_;
   }
 
-  // The live parts whose newest global gradient is older than t - staleness, for a timeout's Error.
-  std::string too_old(std::uint64_t t, int staleness) const {
+  // Why wait(t) at `staleness` timed out: this rank's push not out yet, or the live parts whose
+  // newest global gradient is older than t - staleness.
+  std::string too_old(std::uint64_t t, int staleness, std::chrono::milliseconds timeout) const {
+    if (pushed_ <= t) return fmt::format("iteration {}: this rank's push did not leave within {} ms", t, timeout.count());
     std::string parts;
     for (int p = 0; p < n(); ++p) {
       const std::int64_t have = arrived_newest_[static_cast<std::size_t>(p)];
@@ -128,7 +134,8 @@ class Worker {
         parts += fmt::format("{}part {} (server rank {}, newest iteration {})", parts.empty() ? "" : ", ", p,
                              m_.group().members[static_cast<std::size_t>(p)], have);
     }
-    return parts;
+    return fmt::format("iteration {}: no global gradient of iteration {} or later within {} ms for {}", t,
+                       static_cast<std::int64_t>(t) - staleness, timeout.count(), parts);
   }
 
   // ---- the communication thread's side ----
@@ -139,39 +146,41 @@ class Worker {
   }
   void pull_failed(int p) { pull_outstanding_[p] = 0; }
 
-  // Once every gradient of the trainer's iteration t is ready: copies them out (`pack` into the
-  // flat gradient), and encodes and sends each part as soon as its previous push has left.
-  template <class Pack>
-  void push_due(std::uint64_t t, Pack&& pack) {
+  // Iteration t's pushes, as far as its buckets are ready: each bucket, in plan order, copied out
+  // once `ready(b)` (`pack(b, values)` into its place in the flat gradient), and its chunks encoded
+  // and sent, each as soon as the previous push to that server has left.
+  template <class Ready, class Pack>
+  void push_due(std::uint64_t t, Ready&& ready, Pack&& pack) {
     if (pushed_ > t) return;
-    if (!copied_) {
-      pack(std::span(flat_));
-      copied_ = true;
+    while (packed_ < parts_.buckets() && ready(packed_)) {
+      const ElemRange bucket = parts_.bucket(packed_);
+      pack(packed_++, std::span(flat_).subspan(bucket.begin, bucket.size()));
     }
     bool all = true;
     for (int p = 0; p < n(); ++p) {
-      if (pushes_encoded_[p] > t) continue;
+      std::size_t& b = next_chunk_[p];
       // A dead server takes nothing; nor does one that has closed iteration t already.
-      if (m_.dead(p) || arrived_newest_[p] >= static_cast<std::int64_t>(t)) {
-        pushes_encoded_[p] = t + 1;
-        continue;
-      }
-      if (m_.posted(push_sent, p)) {
-        all = false;
-        continue;
-      }
+      if (m_.dead(p) || arrived_newest_[p] >= static_cast<std::int64_t>(t)) b = parts_.buckets();
+      while (b < parts_.buckets() && parts_.chunk(b, p).size == 0) ++b;
+      if (b == parts_.buckets()) continue;
+      all = false;
+      if (b >= packed_ || m_.posted(push_sent, p)) continue;
+      const Chunk& chunk = parts_.chunk(b, p);
       const std::span<std::byte> out = whole(push_bytes_[p]);
       const std::int64_t encoding = m_.trace_start();
       const std::size_t bytes =
-          header_bytes + codec_.encode(std::span<const float>(flat_part(p)), push_states_[p], out.subspan(header_bytes));
-      m_.trace_compute(Timeline::Kind::encode, encoding, p, parts_[p].size());
+          header_bytes + codec_.encode(std::span<const float>(flat_).subspan(chunk.flat, chunk.size),
+                                       push_states_[b * static_cast<std::size_t>(n()) + static_cast<std::size_t>(p)],
+                                       out.subspan(header_bytes));
+      m_.trace_compute(Timeline::Kind::encode, encoding, p, chunk.size);
+      const std::uint64_t bucket = b++;
       std::memcpy(out.data(), &t, 8);
-      std::memset(out.data() + 8, 0, 8);
-      pushes_encoded_[p] = t + 1;
+      std::memcpy(out.data() + 8, &bucket, 8);
       m_.post(push_sent, p, true, push, pushes_sent_[p]++, out.first(bytes));
     }
-    if (!all) return;
-    copied_ = false;
+    if (!all || packed_ < parts_.buckets()) return;  // l_t is wait()'s stand-in: all of it is copied out
+    std::fill(next_chunk_.begin(), next_chunk_.end(), 0);
+    packed_ = 0;
     pushed_ = t + 1;  // flat_ is the trainer's again
   }
 
@@ -248,70 +257,84 @@ class Worker {
   };
 
   int n() const noexcept { return m_.group().size(); }
-  std::span<float> flat_part(int p) { return std::span(flat_).subspan(parts_[p].begin, parts_[p].size()); }
-  std::span<float> pending_part(int p) { return std::span(pending_flat_).subspan(parts_[p].begin, parts_[p].size()); }
+  std::span<float> pending_part(int p) { return std::span(pending_).subspan(parts_.part_offset(p), parts_.part_size(p)); }
   std::size_t own_ring() const { return static_cast<std::size_t>(staleness_) + 1; }
   OwnEntry& own_entry(std::uint64_t t, int p) {
     return own_[(t % own_ring()) * static_cast<std::size_t>(n()) + static_cast<std::size_t>(p)];
   }
   std::span<float> stand_in_part(std::uint64_t t, int p) {
-    return std::span(stand_ins_).subspan((t % own_ring()) * flat_.size() + parts_[p].begin, parts_[p].size());
+    return std::span(stand_ins_).subspan((t % own_ring()) * flat_.size() + parts_.part_offset(p), parts_.part_size(p));
   }
 
   // Part p of what wait(t) leaves (flat_ holds l_t): the pending global gradients, summed, and the
   // stand-in l_t for g_t unless g_t with this worker in it came first; a dead server's part adds
   // l_t too, never taken back, with nobody else to average with.
   void apply_part(int p, std::uint64_t t, StepReport& report) {
-    const std::span<float> out = flat_part(p);
     const std::span<const float> pending = pending_part(p);
     const bool has_pending = pending_newest_[p] >= 0;
     report.applied[p] = pending_newest_[p];
     report.contributors[p] = has_pending ? pending_contributors_[p] : 0;
     if (has_pending) applied_[p] = pending_newest_[p];
     pending_newest_[p] = -1;
+    const auto add_pending = [&](std::span<float> out, std::size_t at) {
+      if (has_pending)
+        for (std::size_t e = 0; e < out.size(); ++e) out[e] += pending[at + e];
+    };
     if (m_.dead(p)) {
       ++report.local_parts;
-      if (has_pending)
-        for (std::size_t e = 0; e < out.size(); ++e) out[e] += pending[e];
+      each_chunk(p, add_pending);
       return;
     }
     OwnEntry& own = own_entry(t, p);
     if (own.iteration == static_cast<std::int64_t>(t) && own.state == Own::in_global) {
-      if (has_pending)
-        std::copy(pending.begin(), pending.end(), out.begin());  // exactly the global gradients' bits
-      else
-        std::fill(out.begin(), out.end(), 0.0f);
+      each_chunk(p, [&](std::span<float> out, std::size_t at) {
+        if (has_pending)
+          std::copy_n(pending.begin() + static_cast<std::ptrdiff_t>(at), out.size(), out.begin());  // the global's bits
+        else
+          std::fill(out.begin(), out.end(), 0.0f);
+      });
       return;
     }
     ++report.local_parts;
     const std::span<float> stand_in = stand_in_part(t, p);
-    std::copy(out.begin(), out.end(), stand_in.begin());
+    each_chunk(p, [&](std::span<float> out, std::size_t at) {
+      std::copy(out.begin(), out.end(), stand_in.begin() + static_cast<std::ptrdiff_t>(at));
+      add_pending(out, at);
+    });
     own = {.iteration = static_cast<std::int64_t>(t), .state = Own::stood_in};
-    if (has_pending)
-      for (std::size_t e = 0; e < out.size(); ++e) out[e] += pending[e];
+  }
+
+  // f(values, at) for each chunk of part p: its values in the flat gradient, and where they start
+  // in the part.
+  template <class F>
+  void each_chunk(int p, F&& f) {
+    for (std::size_t b = 0; b < parts_.buckets(); ++b) {
+      const Chunk& chunk = parts_.chunk(b, p);
+      f(std::span(flat_).subspan(chunk.flat, chunk.size), chunk.in_part);
+    }
   }
 
   Messages<X>& m_;
   C codec_;
   int staleness_;
-  std::vector<float> flat_;  // the gradients, one after another
-  std::vector<ElemRange> parts_;
-  bool copied_ = false;
+  std::vector<float> flat_;  // the gradients, bucket-major
+  Parts parts_;
+  std::size_t packed_ = 0;    // buckets of the iteration being pushed already in flat_
   std::uint64_t pushed_ = 0;  // iterations whose pushes have all been encoded
-  std::vector<gradsync::detail::TransportBuffer<X>> push_bytes_;
-  std::vector<typename C::State> push_states_;
-  std::vector<std::uint64_t> pushes_encoded_;
+  std::vector<gradsync::detail::TransportBuffer<X>> push_bytes_;  // per part: the chunk on its way
+  std::vector<typename C::State> push_states_;                   // per chunk (bucket, then part)
+  std::vector<std::size_t> next_chunk_;     // per part: the bucket whose chunk it gets next
   std::vector<std::uint64_t> pushes_sent_;  // per part: push messages sent (their sequence numbers)
   std::vector<gradsync::detail::TransportBuffer<X>> reply_bytes_;  // per part: where the pulled global gradient lands
   std::vector<std::uint64_t> pull_min_, pulls_sent_;
   std::vector<std::uint8_t> pull_outstanding_;
   std::vector<std::int64_t> arrived_newest_;  // per part: the newest global gradient come, -1 none
-  std::vector<float> pending_flat_;  // per part: the global gradients come since the last wait(), summed
+  std::vector<float> pending_;  // part-major: the global gradients come since the last wait(), summed
   std::vector<std::int64_t> pending_newest_;  // per part: the newest of those, -1 none
   std::vector<std::uint64_t> pending_contributors_;  // per part: its contributors
   std::vector<std::int64_t> applied_;  // per part: the newest global gradient applied, -1 none
   std::vector<OwnEntry> own_;     // (staleness + 1) x N
-  std::vector<float> stand_ins_;  // (staleness + 1) x the flat gradient: the stand-ins applied
+  std::vector<float> stand_ins_;  // (staleness + 1) x the gradient, part-major: the stand-ins applied
   std::uint64_t skipped_ = 0;
   std::uint64_t summed_received_ = 0;  // replies that brought several global gradients
 };

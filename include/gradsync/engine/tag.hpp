@@ -37,7 +37,7 @@ enum class ControlMessage : std::uint32_t {
   link_probe = 0x40,           // its timed transfers: probe k takes id 0x40 + k (raw bytes, no length)
   embedding_table = 0x20000000u,  // where local rank 0 put the machine's embedding table (sparse/)
   sparse = 0x20000010u,        // a sparse exchange's messages: ids sparse + 0 .. sparse + 4 (sparse/exchange.hpp)
-  async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 5 (async/synchronizer.hpp)
+  async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 7 (async/messages.hpp)
   peer_tensors = 0x20000030u,  // PeerChannel's streams: ids + 0 .. + 15 (peer_channel.hpp)
   membership = 0x40000000u,    // whom each rank counts in its group, up a tree of the members and back
   transports = 0x7ffffff0u,    // ids + 0 .. + 15: transports' own messages, each transport naming
