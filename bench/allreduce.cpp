@@ -426,7 +426,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       const auto start = Clock::now();
       if (graph) {
         graph->start(0, std::span<float>(values), iteration++);
-        graph->finish();
+        graph->await_iteration();
       } else {
         exchange.run(std::span<float>(values), codec, transport, {group, iteration++, 0, std::chrono::minutes(2)});
       }

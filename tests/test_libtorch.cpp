@@ -1,13 +1,15 @@
 // gradsync::libtorch::AutogradHooks on the LibTorch trainer's CNN (examples/libtorch): two ranks'
-// data-parallel steps, each on half the batch, equal one process's steps on the whole batch; a
-// parameter autograd never reaches is named by wait(); tied weights, a parameter hooked twice, a
-// replaced .grad; parameters the hooks cannot serve are refused by name.
+// data-parallel steps, each on half the batch, equal one process's steps on the whole batch; the
+// same hooks driving the asynchronous parameter server; a parameter autograd never reaches is
+// named by wait(); tied weights, a parameter hooked twice, a replaced .grad; parameters the hooks
+// cannot serve are refused by name.
 
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <vector>
 
+#include "gradsync/async/synchronizer.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/libtorch.hpp"
 #include "model.hpp"
@@ -90,6 +92,48 @@ TEST_SUITE("libtorch") {
     CHECK(difference < 1e-5);  // float sums in another order, no more
     Net initial = seeded_net();
     CHECK(largest_difference(nets[0], initial) > 1e-3);  // and the steps did move the model
+  }
+
+  TEST_CASE("the hooks drive the asynchronous parameter server: at staleness 0 it takes the synchronous "
+            "server's steps, bit for bit") {
+    torch::set_num_threads(1);
+    constexpr int ranks = 2, steps = 3;
+    constexpr std::int64_t half = 8;
+    std::vector<torch::Tensor> images, labels;
+    torch::manual_seed(12);
+    for (int s = 0; s < steps; ++s) {
+      images.push_back(torch::rand({ranks * half, 1, 28, 28}));
+      labels.push_back(torch::randint(0, 10, {ranks * half}, torch::kLong));
+    }
+    const auto train = [&](auto make_synchronizer, std::vector<Net>& nets) {
+      for (int r = 0; r < ranks; ++r) nets.push_back(seeded_net());
+      const auto errors = test::run_ranks(ranks, [&](transport::InProcess& t) {
+        const int rank = t.rank();
+        Net& net = nets[static_cast<std::size_t>(rank)];
+        auto sync = make_synchronizer(std::move(t));
+        libtorch::AutogradHooks hooks(*sync, net->named_parameters());
+        torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(learning_rate).momentum(momentum));
+        for (int s = 0; s < steps; ++s) {
+          hooks.zero();
+          const auto mine = torch::indexing::Slice(rank * half, (rank + 1) * half);
+          torch::nn::functional::cross_entropy(net->forward(images[s].index({mine})), labels[s].index({mine})).backward();
+          sync->wait();
+          optimizer.step();
+        }
+      });
+      for (const auto& e : errors) REQUIRE_MESSAGE(!e, (e ? e->what() : ""));
+    };
+    const std::chrono::seconds timeout(20);
+    std::vector<Net> synchronous, asynchronous;
+    train([&](transport::InProcess t) {
+      return std::make_unique<Synchronizer<bucketing::PerTensor, compression::None, topology::ParameterServer, transport::InProcess>>(
+          std::move(t), Options{.timeout = timeout});
+    }, synchronous);
+    train([&](transport::InProcess t) {
+      return std::make_unique<async::Synchronizer<bucketing::FixedSize, compression::None, transport::InProcess>>(
+          std::move(t), async::Options{.staleness = 0, .timeout = timeout});
+    }, asynchronous);
+    for (int r = 0; r < ranks; ++r) CHECK(bit_identical(asynchronous[static_cast<std::size_t>(r)], synchronous[0]));
   }
 
   TEST_CASE("a parameter autograd never reaches is named by wait()") {

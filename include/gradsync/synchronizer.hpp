@@ -272,15 +272,15 @@ class Synchronizer {
                                          native, buckets.size(), transport_.describe()));
     plan_ = std::move(plan);
     buckets_ = std::move(buckets);
-    hand_to_engine();
+    hand_to_task_graph();
   }
 
-  void hand_to_engine() {
+  void hand_to_task_graph() {
     log_decisions();
-    if (!engine_) return;
+    if (!task_graph_) return;
     std::vector<engine::BucketExchange<C, X>*> exchanges;
     for (Bucket& bucket : buckets_) exchanges.push_back(&bucket.exchange);
-    engine_->install(exchanges);
+    task_graph_->install(exchanges);
   }
 
   // Bucket `b`'s schedule: compressed, unless selective compression has a cost model that says
@@ -330,7 +330,7 @@ class Synchronizer {
         choices += fmt::format("\n  bucket {} ({} values): {}", b, buckets_[b].elements,
                                topology_.choice(group_, buckets_[b].elements));
     }
-    hand_to_engine();
+    hand_to_task_graph();
     if (rank() == 0) log_line(options_.log, fmt::format("gradsync {}: {}{}", topology_.describe(), links, choices));
   }
 
@@ -341,7 +341,7 @@ class Synchronizer {
       if (options_.selective_compression && !C::identity && size() > 1) {
         costs_ = engine::calibrate(codec_, control_);
         for (std::size_t b = 0; b < buckets_.size(); ++b) buckets_[b].exchange = exchange_for(b, buckets_[b]);
-        hand_to_engine();
+        hand_to_task_graph();
       }
       if constexpr (LinkAwareTopology<T>) measure_link();
       for (std::uint64_t iteration = 0;; ++iteration) {
@@ -349,7 +349,7 @@ class Synchronizer {
           if (!wait_for_bucket(b)) return;
           std::visit([&](auto values) { synchronize_bucket(b, values, iteration); }, buckets_[b].values);
         }
-        if (engine_) stats_ += engine_->finish();
+        if (task_graph_) stats_ += task_graph_->await_iteration();
         end_iteration(iteration);
         std::unique_lock lock(mutex_);
         done_ = true;
@@ -389,9 +389,9 @@ class Synchronizer {
     bool late_reported = false;
     for (;;) {
       if (stop_) return false;
-      if (engine_failed_) {  // finish() throws the engine's error once its threads are quiet
+      if (task_graph_failed_) {  // await_iteration() throws the task graph's error once its threads are quiet
         lock.unlock();
-        engine_->finish();
+        task_graph_->await_iteration();
         lock.lock();
       }
       if (gradients_.bucket_complete(b)) break;
@@ -420,7 +420,7 @@ class Synchronizer {
       gradients_.pack(b, std::span<const GradId>(plan_.buckets[b]), values);
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
-    if (engine_) return engine_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
+    if (task_graph_) return task_graph_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
     stats_ += bucket.native_allreduce ? allreduce_natively(b)
                                       : bucket.exchange.run(values, codec_, transport_,
                                                             {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout});
@@ -563,11 +563,11 @@ class Synchronizer {
   std::uint64_t generation_ = 0;     // bumped by wait(), releases the communication thread
   std::optional<Error> error_;
   std::atomic<bool> failed_{false};
-  bool engine_failed_ = false;  // the task graph reported a failure (guarded by mutex_)
+  bool task_graph_failed_ = false;  // the task graph reported a failure (guarded by mutex_)
   IterationStats last_stats_;
 
   // Declared after the buckets its threads work on, so that it stops before they go.
-  std::unique_ptr<engine::TaskGraph<C, X>> engine_;
+  std::unique_ptr<engine::TaskGraph<C, X>> task_graph_;
   std::thread thread_;
 };
 
@@ -582,12 +582,12 @@ void Synchronizer<B, C, T, X>::freeze() {
     // would not keep alike on every rank, and buckets may go through its own allreduce: the
     // serial executor only.
     if (options_.executor == Executor::task_graph && !OrderMatchedTransport<X> && !DeviceAllreduce<X>)
-      engine_ = std::make_unique<engine::TaskGraph<C, X>>(
+      task_graph_ = std::make_unique<engine::TaskGraph<C, X>>(
           transport_, codec_, group_, options_.compute_threads, options_.timeout,
           typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },
                                                   .failed = [this] {
                                                     std::lock_guard lock(mutex_);
-                                                    engine_failed_ = true;
+                                                    task_graph_failed_ = true;
                                                     work_cv_.notify_all();
                                                   }},
           options_.coordination);

@@ -18,7 +18,7 @@
 // With coordination (coordinator/planner.hpp), a ready send is not posted but reported to the group's
 // coordinator and held until the coordinator grants it; the communication thread carries the
 // reports and grants too, and on the coordinator (group rank 0) it also runs the planner. An
-// iteration starts every installed bucket once; on the coordinator finish() also waits until
+// iteration starts every installed bucket once; on the coordinator await_iteration() also waits until
 // every rank has reported the iteration finished.
 //
 // Over a device transport (transport::CudaStaged; not Nccl, whose messages match in posting
@@ -53,7 +53,7 @@ class TaskGraph final : private transport::CompletionSink {
  public:
   struct Hooks {
     std::function<void(std::uint32_t bucket)> bucket_done;  // on a compute thread, after the bucket's last step
-    std::function<void()> failed;  // once, when a task fails; called under the engine's lock: keep it short
+    std::function<void()> failed;  // once, when a task fails; called under the task graph's lock: keep it short
   };
 
   TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
@@ -118,10 +118,10 @@ class TaskGraph final : private transport::CompletionSink {
   }
 
   // Starts bucket `bucket` of the installed plan on `values` (which must stay alive and untouched
-  // until finish() returns).
+  // until await_iteration() returns).
   void start(std::uint32_t bucket, BucketValues values, std::uint64_t iteration) {
     std::lock_guard lock(mutex_);
-    if (failed_) return;  // finish() reports why
+    if (failed_) return;  // await_iteration() reports why
     Job& job = jobs_[bucket];
     job.restart(values, iteration);
     ++running_buckets_;
@@ -132,12 +132,12 @@ class TaskGraph final : private transport::CompletionSink {
   }
 
   // Blocks until every started bucket is done, its epilogue included, and returns what the
-  // iteration cost. If a task failed, waits until no engine thread touches a buffer any more,
+  // iteration cost. If a task failed, waits until no task graph thread touches a buffer any more,
   // then throws the first failure's Error (naming rank, peer, bucket and operation).
-  ExchangeStats finish() {
+  ExchangeStats await_iteration() {
     std::unique_lock lock(mutex_);
     // Other ranks: the report that this iteration is over must have left before the caller may
-    // move on (or destroy the engine).
+    // move on (or destroy the task graph).
     done_cv_.wait(lock, [&] {
       return (running_buckets_ == 0 && !report_finished_ && !reports_pending_) || quiet_after_failure();
     });
@@ -313,8 +313,8 @@ class TaskGraph final : private transport::CompletionSink {
     Posted oldest;                    // ... that transfer
     bool finished_iteration = false;  // every bucket is done: report it to the coordinator
     bool announce = false;            // a new plan's sends and receives: announce them
-    bool active = false;              // a bucket was started since the last finish()
-    std::uint64_t iterations = 0;     // finish() calls that had returned
+    bool active = false;              // a bucket was started since the last await_iteration()
+    std::uint64_t iterations = 0;     // await_iteration() calls that had returned
   };
 
   // The communication thread: sleeps until there is work (or the oldest pending transfer's
@@ -585,11 +585,11 @@ class TaskGraph final : private transport::CompletionSink {
   std::vector<std::size_t> announced_;  // the communication thread's copies
   std::size_t announced_receives_ = 0;
   std::uint64_t control_bytes_counted_ = 0;
-  std::size_t buckets_done_ = 0;           // epilogues run since the last finish()
+  std::size_t buckets_done_ = 0;           // epilogues run since the last await_iteration()
   bool report_finished_ = false;           // every bucket is done: tell the coordinator
   bool reports_pending_ = false;           // the channel has report entries not yet posted
-  bool iteration_active_ = false;          // a bucket was started since the last finish()
-  std::uint64_t iterations_ = 0;           // finish() calls that returned
+  bool iteration_active_ = false;          // a bucket was started since the last await_iteration()
+  std::uint64_t iterations_ = 0;           // await_iteration() calls that returned
   std::uint64_t finished_everywhere_ = 0;  // coordinator: iterations every rank has reported finished
   int channel_behind_ = 0;                 // coordinator: a rank that has not, for the error message
 
