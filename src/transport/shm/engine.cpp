@@ -641,6 +641,12 @@ void SharedMemoryEngine::check_cross_memory_attach() {
   iovec remote{.iov_base = reinterpret_cast<void*>(area.mapped_at), .iov_len = sizeof magic};
   const ssize_t n = ::process_vm_readv(area.process.pid, &local, 1, &remote, 1, 0);
   if (n == sizeof magic && magic == shm::segment_magic) return;
+  if (n < 0 && errno == ESRCH) {  // no such process: the peer is gone, which says nothing of permissions
+    const Error gone(ErrorKind::peer_failed, context(peer, "shared-memory setup"),
+                     fmt::format("rank {} (pid {}) exited during setup", launch_rank(peer), area.process.pid));
+    abort(gone);
+    throw gone;
+  }
   const Error refused(ErrorKind::unsupported, context(peer, "shared-memory setup"),
                       fmt::format("cross-memory attach to rank {} (pid {}) {}: SharedMemory copies with "
                                   "process_vm_readv/writev, which needs ptrace permission between the job's "
