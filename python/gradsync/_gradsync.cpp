@@ -1,8 +1,8 @@
 // gradsync's Python module: a Synchronizer whose policies are picked by name at run time (the
 // shipped combinations, shipped.hpp), over the launched job's ranks (shared memory within a
 // machine, TCP across; the launcher's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK,
-// LOCAL_WORLD_SIZE and GRADSYNC_TOKEN), for the memory of arrays that export DLPack: torch tensors
-// and numpy arrays on the CPU, contiguous, f32, f64, f16 or bf16.
+// LOCAL_WORLD_SIZE and GRADSYNC_TOKEN, or those given as `environment`), for the memory of arrays
+// that export DLPack: torch tensors and numpy arrays on the CPU, contiguous, f32, f64, f16 or bf16.
 //
 // The module keeps a reference to every array it was given, for as long as the synchronizer
 // lives: the synchronizer reads and writes their memory. wait() releases the GIL while it blocks.
@@ -11,7 +11,9 @@
 // as gradsync.Timeout, anything else as gradsync.Error (all three RuntimeErrors).
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -19,6 +21,7 @@
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "gradsync/shipped.hpp"
 #include "toolkit/codec_by_name.hpp"
@@ -81,6 +84,19 @@ gs::shipped::Topology topology_named(const std::string& name, int ranks_per_mach
   throw py::value_error(fmt::format("topology {:?}: choose ring, parameter-server or hierarchical", name));
 }
 
+// The job's transport: the launcher's variables from the process environment, those in
+// `environment` first where it is given (a job that learns its rendezvous another way: the DDP
+// hook takes a port and token from torch.distributed's store).
+gs::JobTransport connect(const std::optional<std::map<std::string, std::string>>& environment) {
+  if (!environment) return gs::toolkit::connect_or_alone();
+  const gs::launch::Environment lookup = [&](std::string_view name) -> std::optional<std::string> {
+    if (const auto found = environment->find(std::string(name)); found != environment->end()) return found->second;
+    return gs::launch::process_environment(name);
+  };
+  return gs::JobTransport(gs::transport::SharedMemory(gs::transport::SharedMemory::options_from_env(lookup)),
+                          gs::transport::Tcp(gs::transport::Tcp::options_from_env(lookup)));
+}
+
 gs::Executor executor_named(const std::string& name) {
   if (name == "task-graph") return gs::Executor::task_graph;
   if (name == "serial") return gs::Executor::serial;
@@ -92,14 +108,14 @@ class Synchronizer {
  public:
   Synchronizer(const std::string& bucketing, const std::string& codec, const std::string& topology,
                const std::string& executor, float threshold, double keep, std::uint64_t seed, double timeout,
-               const std::string& timeline) {
+               const std::string& timeline, const std::optional<std::map<std::string, std::string>>& environment) {
     if (!(timeout > 0)) throw py::value_error(fmt::format("timeout {} s: more than 0", timeout));
     gs::Options options;
     options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout * 1000.0));
     options.executor = executor_named(executor);
     options.timeline = timeline;
     gs::shipped::Bucketing chosen_bucketing = bucketing_named(bucketing);
-    gs::JobTransport transport = gs::toolkit::connect_or_alone();
+    gs::JobTransport transport = connect(environment);
     gs::shipped::Topology chosen_topology = topology_named(topology, transport.local_size());
     const gs::toolkit::CodecSettings settings{.threshold = threshold, .keep = keep, .seed = seed, .rank = transport.rank()};
     gs::shipped::Codec chosen_codec;
@@ -193,10 +209,11 @@ PYBIND11_MODULE(_gradsync, m) {
                            "terngrad, top-k, random-k, ef-two-bit, ef-one-bit, ef-top-k, ef-random-k), topology "
                            "(ring, parameter-server, hierarchical), executor (task-graph, serial).")
       .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&, float, double,
-                    std::uint64_t, double, const std::string&>(),
+                    std::uint64_t, double, const std::string&, const std::optional<std::map<std::string, std::string>>&>(),
            py::kw_only(), py::arg("bucketing") = "fixed-size", py::arg("codec") = "none", py::arg("topology") = "ring",
            py::arg("executor") = "task-graph", py::arg("threshold") = gs::compression::TwoBit{}.threshold,
-           py::arg("keep") = 0.01, py::arg("seed") = 0, py::arg("timeout") = 300.0, py::arg("timeline") = "")
+           py::arg("keep") = 0.01, py::arg("seed") = 0, py::arg("timeout") = 300.0, py::arg("timeline") = "",
+           py::arg("environment") = py::none())
       .def("add", &Synchronizer::add, py::arg("name"), py::arg("array"),
            "Registers `array` (CPU, contiguous, float32/64/16 or bfloat16) under `name`, in the same order on every "
            "rank, before the first ready() or wait(); returns its id. Its memory is read and overwritten in place.")

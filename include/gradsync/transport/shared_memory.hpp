@@ -49,6 +49,7 @@
 #include <string>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/launch/environment.hpp"
 #include "gradsync/transport/operation.hpp"
 
 namespace gradsync::transport {
@@ -95,8 +96,10 @@ class SharedMemory {
 
   // Options from the launcher's environment (launch/environment.hpp): LOCAL_RANK and
   // LOCAL_WORLD_SIZE give the machine's ranks, RANK - LOCAL_RANK its first launch rank (launchers
-  // number ranks machine by machine), plus GRADSYNC_SETUP_TIMEOUT_S where set.
-  static SharedMemoryOptions options_from_env();
+  // number ranks machine by machine), plus GRADSYNC_SETUP_TIMEOUT_S where set. `env` is where the
+  // launcher's variables are looked up (a program that learns them another way, such as from
+  // torch.distributed's store, passes its own); the GRADSYNC_ settings come from the process.
+  static SharedMemoryOptions options_from_env(const launch::Environment& env = launch::process_environment);
   static SharedMemory from_env() { return SharedMemory(options_from_env()); }
 
   // The segment's name for a job and machine (what /dev/shm shows while it is being set up).

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "gradsync/concepts.hpp"
+#include "gradsync/launch/environment.hpp"
 #include "gradsync/log.hpp"
 #include "gradsync/transport/operation.hpp"
 
@@ -112,8 +113,9 @@ class Tcp {
 
   // Options from the launcher's environment (launch/environment.hpp), plus GRADSYNC_LISTEN_ADDR,
   // GRADSYNC_CONNECTIONS_PER_PEER, GRADSYNC_EXPRESS_LANE_BYTES, GRADSYNC_SETUP_TIMEOUT_S,
-  // GRADSYNC_LIVENESS_MS and GRADSYNC_TCP_CONGESTION where set.
-  static TcpOptions options_from_env();
+  // GRADSYNC_LIVENESS_MS and GRADSYNC_TCP_CONGESTION where set; the launcher's variables looked up
+  // in `env` (SharedMemory::options_from_env says why).
+  static TcpOptions options_from_env(const launch::Environment& env = launch::process_environment);
   static Tcp from_env() { return Tcp(options_from_env()); }
 
   Tcp(Tcp&&) noexcept;

@@ -9,10 +9,10 @@ def make_model(dtype=torch.float32):
     return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(dtype)
 
 
-def data(dtype=torch.float32):
+def data(dtype=torch.float32, steps=STEPS):
     generator = torch.Generator().manual_seed(1)
-    images = torch.randn(STEPS, 16, 20, generator=generator).to(dtype)
-    labels = torch.randint(0, 4, (STEPS, 16), generator=generator)
+    images = torch.randn(steps, 16, 20, generator=generator).to(dtype)
+    labels = torch.randint(0, 4, (steps, 16), generator=generator)
     return images, labels
 
 

@@ -65,8 +65,8 @@ std::span<std::byte> SharedMemory::at_offset(std::uint64_t offset, std::size_t b
 
 std::string SharedMemory::segment_name(const SharedMemoryOptions& options) { return shm::Segment::name(options); }
 
-SharedMemoryOptions SharedMemory::options_from_env() {
-  const launch::Launch launch = launch::from_environment();
+SharedMemoryOptions SharedMemory::options_from_env(const launch::Environment& env) {
+  const launch::Launch launch = launch::from_environment(env);
   SharedMemoryOptions o;
   o.local_rank = launch.local_rank;
   o.local_size = launch.local_world_size;

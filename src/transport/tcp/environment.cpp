@@ -13,8 +13,8 @@
 
 namespace gradsync::transport {
 
-TcpOptions Tcp::options_from_env() {
-  const launch::Launch launch = launch::from_environment();
+TcpOptions Tcp::options_from_env(const launch::Environment& env) {
+  const launch::Launch launch = launch::from_environment(env);
   TcpOptions o;
   o.rank = launch.rank;
   o.world_size = launch.world_size;

@@ -1,0 +1,27 @@
+"""gradsync's DDP communication hook: DDP with it takes DDP's own steps (codec none), every rank the
+same bits, once it has taken DDP's settled buckets over; the ranks meet through the process
+group's store, beside gloo's own use of MASTER_PORT."""
+import pytest
+import torch
+
+
+def train(job, ranks, mode, codec="none", steps=8, machines=1):
+    results, statuses = job.run("ddp.py", ranks, mode, codec, steps, machines=machines)
+    assert statuses == [0] * ranks, job.outputs
+    return results
+
+
+@pytest.mark.parametrize("ranks,machines", [(2, 1), (4, 2)])
+def test_the_hook_takes_ddps_own_steps(job, ranks, machines):
+    own = train(job, ranks, "ddp", machines=machines)
+    hooked = train(job, ranks, "hook", machines=machines)
+    for r in hooked:
+        assert r["parameters"] == hooked[0]["parameters"]  # the same bits on every rank
+        assert r["gradsync_buckets"] > 1  # gradsync averaged DDP's buckets in the later steps
+    for got, want in zip(hooked[0]["parameters"], own[0]["parameters"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
+
+
+def test_the_hook_with_a_lossy_codec_keeps_every_rank_equal(job):
+    hooked = train(job, 2, "hook", codec="ef-two-bit")
+    assert hooked[1]["parameters"] == hooked[0]["parameters"]
