@@ -21,6 +21,31 @@ import torch.distributed as dist
 from ._gradsync import Synchronizer
 
 
+def broadcast_parameters(named_parameters, root_rank=0, **policies):
+    """Makes every rank's parameters (and buffers, any tensors given by name) root_rank's, bit for
+    bit: the start of training without DDP, which broadcasts them itself. Each tensor travels as
+    float64 in an average where the other ranks contribute zeros (the sum is exact, and scaling the
+    average back by the number of ranks is exact after rounding to the tensor's own dtype, which
+    float16, bfloat16 and float32 values survive), through a Synchronizer of its own (policies:
+    gradsync.Synchronizer's keywords; the codec is always none)."""
+    named = [(name, tensor) for name, tensor in named_parameters]
+    policies = dict(policies, codec="none")
+    synchronizer = Synchronizer(**policies)
+    mine = synchronizer.rank == root_rank
+    staged = []
+    for name, tensor in named:
+        values = tensor.detach().to(torch.float64).contiguous() if mine else torch.zeros(tensor.shape, dtype=torch.float64)
+        synchronizer.add(name, values)
+        staged.append(values)
+    for index in range(len(staged)):
+        synchronizer.ready(index)
+    synchronizer.wait()
+    with torch.no_grad():
+        for (_, tensor), values in zip(named, staged):
+            tensor.copy_(values.mul_(synchronizer.size).to(tensor.dtype))
+    del synchronizer
+
+
 class DistributedOptimizer:
     """Wraps `optimizer` so that each step uses gradients averaged over the job's ranks.
 

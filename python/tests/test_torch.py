@@ -1,6 +1,7 @@
 """gradsync.torch.DistributedOptimizer: ranks on their share of each batch take the steps of one
 process on the whole batch (f32; bf16 within its rounding), every rank the same bits; a parameter
-backward never reaches, and a .grad replaced behind its back, are named."""
+backward never reaches, and a .grad replaced behind its back, are named; a rank killed mid-training
+fails the others naming it. broadcast_parameters: rank 0's bits everywhere."""
 import sys
 from pathlib import Path
 
@@ -48,3 +49,21 @@ def test_a_replaced_grad_is_named(job):
     results, _ = job.run("optimizer.py", 1, "float32", "fixed-size", "none", "replaced-grad")
     assert results[0]["type"] == "RuntimeError"
     assert "'0.bias'" in results[0]["message"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_broadcast_parameters_gives_every_rank_rank_0s_bits(job, ranks):
+    results, statuses = job.run("broadcast.py", ranks)
+    assert statuses == [0] * ranks, job.outputs
+    expected = [p.detach().flatten().tolist() for p in make_model().parameters()]  # rank 0's: + 0
+    for r in results:
+        assert r["parameters"] == expected
+
+
+def test_a_rank_killed_mid_training_fails_the_others_naming_it(job):
+    results, statuses = job.run("optimizer.py", 3, "float32", "fixed-size", "none", "killed")
+    assert statuses[2] == 9 or statuses[2] < 0
+    for r in results[:2]:
+        assert not r["ok"]
+        assert r["type"] == "PeerFailed", r
+        assert "rank 2" in r["message"]

@@ -1,6 +1,8 @@
 """A rank that trains a small MLP with gradsync.torch.DistributedOptimizer on its share of each
 batch, and writes the parameters it ends with (or the exception a misuse raised)."""
 import json
+import os
+import signal
 import sys
 
 import torch
@@ -23,6 +25,8 @@ share = images.shape[1] // ranks
 try:
     for step in range(STEPS):
         optimizer.zero_grad()
+        if case == "killed" and step == 2 and rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
         if case == "replaced-grad" and step == 1:
             model[0].bias.grad = torch.zeros_like(model[0].bias)
         mine = slice(rank * share, (rank + 1) * share)
