@@ -25,3 +25,11 @@ def test_the_hook_takes_ddps_own_steps(job, ranks, machines):
 def test_the_hook_with_a_lossy_codec_keeps_every_rank_equal(job):
     hooked = train(job, 2, "hook", codec="ef-two-bit")
     assert hooked[1]["parameters"] == hooked[0]["parameters"]
+
+
+def test_a_rank_killed_under_the_hook_fails_the_others_naming_it(job):
+    results, statuses = job.run("ddp.py", 3, "hook", "none", 8, "killed")
+    assert statuses[2] == -9
+    for r in results[:2]:
+        assert r is not None and "raised" in r, job.outputs
+        assert "rank 2" in r["message"] and "peer failed" in r["message"], r

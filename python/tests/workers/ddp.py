@@ -1,6 +1,10 @@
 """A rank that trains the small MLP under DistributedDataParallel (gloo), with DDP's own allreduce
-or gradsync's communication hook, and writes the parameters it ends with."""
+or gradsync's communication hook, and writes the parameters it ends with; with "killed", the last
+rank is killed at step 4 (after gradsync has taken DDP's bucket over) and the others write what
+they raised."""
 import json
+import os
+import signal
 import sys
 
 import torch
@@ -11,13 +15,16 @@ import gradsync.torch
 from model import data, make_model
 
 result, mode, codec, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+killed = len(sys.argv) > 5 and sys.argv[5] == "killed"
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, ranks = dist.get_rank(), dist.get_world_size()
 # A few buckets of this small model: DDP's size limits apply from the first iteration where it may
 # find unused parameters (otherwise that one is a single bucket, and 1.13 kept it so here).
+# (Not when a rank is killed: looking for unused parameters makes DDP allreduce a map of them over
+# gloo every step, which would see the death first.)
 dist._DEFAULT_FIRST_BUCKET_BYTES = 1024
-model = DistributedDataParallel(make_model(), bucket_cap_mb=0.002, find_unused_parameters=True)
+model = DistributedDataParallel(make_model(), bucket_cap_mb=0.002, find_unused_parameters=not killed)
 state = None
 if mode == "hook":
     state = gradsync.torch.HookState(codec=codec, timeout=30)
@@ -25,11 +32,18 @@ if mode == "hook":
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
 images, labels = data(steps=steps)
 share = images.shape[1] // ranks
-for step in range(steps):
-    optimizer.zero_grad()
-    mine = slice(rank * share, (rank + 1) * share)
-    torch.nn.functional.cross_entropy(model(images[step, mine]), labels[step, mine]).backward()
-    optimizer.step()
+try:
+    for step in range(steps):
+        optimizer.zero_grad()
+        if killed and step == 4 and rank == ranks - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        mine = slice(rank * share, (rank + 1) * share)
+        torch.nn.functional.cross_entropy(model(images[step, mine]), labels[step, mine]).backward()
+        optimizer.step()
+except RuntimeError as e:
+    with open(result, "w") as f:
+        json.dump({"raised": type(e).__name__, "message": str(e)}, f)
+    os._exit(1)
 with open(result, "w") as f:
     json.dump({"parameters": [p.detach().flatten().tolist() for p in model.parameters()],
                "gradsync_buckets": len(state._buffers) if state else 0}, f)
