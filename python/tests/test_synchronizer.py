@@ -1,5 +1,7 @@
 """gradsync.Synchronizer from Python: averages over 2 and 4 processes, every rank the same bits;
 bad settings and misuse named; a dead peer; the GIL released while wait() blocks."""
+import json
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,19 @@ def test_wait_releases_the_gil(job):
     results, statuses = job.run("errors.py", 2, "gil")
     assert statuses == [0, 0], job.outputs
     assert results == [{"ok": True}, {"ok": True}]
+
+
+def test_the_timeline_is_written_when_the_synchronizer_goes(tmp_path):
+    path = tmp_path / "trace.json"
+    sync = gradsync.Synchronizer(timeline=str(path))
+    weight = np.ones(1000, dtype=np.float32)
+    sync.add("weight", weight)
+    sync.ready("weight")
+    sync.wait()
+    assert sync.last_iteration["iteration"] == 0
+    del sync
+    traces = list(tmp_path.glob("trace*.json"))
+    assert len(traces) == 1, traces
+    events = json.loads(traces[0].read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any("weight" in json.dumps(e) for e in events)
