@@ -1,6 +1,7 @@
-"""gradsync's DDP communication hook: DDP with it takes DDP's own steps (codec none), every rank the
-same bits, once it has taken DDP's settled buckets over; the ranks meet through the process
-group's store, beside gloo's own use of MASTER_PORT."""
+"""gradsync's DDP communication hook: DDP with it takes DDP's own steps (codec none; a parameter
+unused, find_unused_parameters), every rank the same bits, once it has taken DDP's settled buckets
+over; the ranks meet through the process group's store, beside gloo's own use of MASTER_PORT; a
+rank killed under the hook fails the others naming it."""
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """A rank that trains the small MLP under DistributedDataParallel (gloo), with DDP's own allreduce
-or gradsync's communication hook, and writes the parameters it ends with; with "killed", the last
+or gradsync's communication hook (a layer of it unused, which DDP is told to look for), and writes
+the parameters it ends with; with "killed", the last
 rank is killed at step 4 (after gradsync has taken DDP's bucket over) and the others write what
 they raised."""
 import json
@@ -24,7 +25,22 @@ rank, ranks = dist.get_rank(), dist.get_world_size()
 # (Not when a rank is killed: looking for unused parameters makes DDP allreduce a map of them over
 # gloo every step, which would see the death first.)
 dist._DEFAULT_FIRST_BUCKET_BYTES = 1024
-model = DistributedDataParallel(make_model(), bucket_cap_mb=0.002, find_unused_parameters=not killed)
+
+
+class WithUnused(torch.nn.Module):
+    """The MLP and a layer no forward uses: DDP marks its gradient ready itself (zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+model = DistributedDataParallel(WithUnused() if not killed else make_model(), bucket_cap_mb=0.002,
+                                find_unused_parameters=not killed)
 state = None
 if mode == "hook":
     state = gradsync.torch.HookState(codec=codec, timeout=30)
