@@ -23,9 +23,12 @@ def test_the_hook_takes_ddps_own_steps(job, ranks, machines):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
 
 
-def test_the_hook_with_a_lossy_codec_keeps_every_rank_equal(job):
-    hooked = train(job, 2, "hook", codec="ef-two-bit")
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "two-bit", "one-bit", "terngrad", "top-k", "random-k",
+                                   "ef-two-bit", "ef-one-bit", "ef-top-k", "ef-random-k"])
+def test_every_codec_through_the_hook_keeps_every_rank_equal(job, codec):
+    hooked = train(job, 2, "hook", codec=codec)
     assert hooked[1]["parameters"] == hooked[0]["parameters"]
+    assert hooked[0]["gradsync_buckets"] > 1
 
 
 def test_a_rank_killed_under_the_hook_fails_the_others_naming_it(job):
