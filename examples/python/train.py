@@ -17,10 +17,13 @@ gradsync rendezvous takes MASTER_PORT itself) or, for the DDP modes, torchrun. R
 epoch and writes the JSON (results/session.sh: how the figures in results/ were made).
 """
 import argparse
+import fcntl
 import gzip
 import json
 import os
+import socket
 import statistics
+import struct
 import time
 
 import numpy as np
@@ -38,6 +41,26 @@ def load(directory, kind):
     with gzip.open(os.path.join(directory, f"{kind}-labels-idx1-ubyte.gz")) as f:
         labels = np.frombuffer(f.read(), dtype=np.uint8, offset=8).astype(np.int64)
     return torch.from_numpy(images), torch.from_numpy(labels)
+
+
+def choose_gloo_interface():
+    """Points gloo at the interface this machine reaches MASTER_ADDR through, unless
+    GLOO_SOCKET_IFNAME says which: gloo otherwise takes the address its host name resolves to,
+    which on emulated hosts (netcluster) is loopback, where the other ranks are not."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or "MASTER_ADDR" not in os.environ:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((os.environ["MASTER_ADDR"], 9))  # no packet is sent: this only picks a route
+        local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                address = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address
+            if address == local:
+                os.environ["GLOO_SOCKET_IFNAME"] = name
+                return
 
 
 def model_for(seed):
@@ -66,6 +89,7 @@ def main():
 
     uses_ddp = o.mode != "optimizer"
     if uses_ddp:
+        choose_gloo_interface()
         dist.init_process_group("gloo")
     model = model_for(o.seed)
     train = model
