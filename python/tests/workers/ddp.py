@@ -16,7 +16,11 @@ import gradsync.torch
 from model import data, make_model
 
 result, mode, codec, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-killed = len(sys.argv) > 5 and sys.argv[5] == "killed"
+case = sys.argv[5] if len(sys.argv) > 5 else "unused"
+killed = case == "killed"
+# "rebuilt": DDP told not to look for unused parameters, so it rebuilds its buckets in backward's
+# order after the first iteration (new buffers), which the hook must not take over before.
+looks_for_unused = case == "unused"
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, ranks = dist.get_rank(), dist.get_world_size()
@@ -39,8 +43,8 @@ class WithUnused(torch.nn.Module):
         return self.net(x)
 
 
-model = DistributedDataParallel(WithUnused() if not killed else make_model(), bucket_cap_mb=0.002,
-                                find_unused_parameters=not killed)
+model = DistributedDataParallel(WithUnused() if looks_for_unused else make_model(), bucket_cap_mb=0.002,
+                                find_unused_parameters=looks_for_unused)
 state = None
 if mode == "hook":
     state = gradsync.torch.HookState(codec=codec, timeout=30)
@@ -64,3 +68,5 @@ with open(result, "w") as f:
     json.dump({"parameters": [p.detach().flatten().tolist() for p in model.parameters()],
                "gradsync_buckets": len(state._buffers) if state else 0}, f)
 dist.destroy_process_group()
+if rank == 0 and case == "rebuilt":
+    assert model._get_ddp_logging_data().get("has_rebuilt_buckets") == 1, "DDP did not rebuild its buckets"
