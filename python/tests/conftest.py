@@ -15,6 +15,34 @@ import pytest
 WORKERS = Path(__file__).parent / "workers"
 
 
+def _make_importable():
+    """Lets `python3 -m pytest python/tests` run from a checkout without PYTHONPATH: the module from
+    a build directory of it (build*/python), and Debian's packages (torch, numpy) where the
+    interpreter running the tests is another CPython 3.11 than Debian's (pyenv's first on PATH).
+    The ranks' processes inherit the same path through PYTHONPATH."""
+    extra = []
+    try:
+        import gradsync  # noqa: F401
+    except ImportError:
+        root = Path(__file__).resolve().parents[2]
+        built = sorted(p for p in root.glob("build*/python") if any((p / "gradsync").glob("_gradsync*.so")))
+        extra += [str(p) for p in built[:1]]
+    debian = Path("/usr/lib/python3/dist-packages")
+    if sys.version_info[:2] == (3, 11) and debian.is_dir() and str(debian) not in sys.path:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            extra.append(str(debian))
+    if extra:
+        sys.path[0:0] = [p for p in extra if p != str(debian)]
+        if str(debian) in extra:
+            sys.path.append(str(debian))
+        os.environ["PYTHONPATH"] = os.pathsep.join(extra + [p for p in [os.environ.get("PYTHONPATH")] if p])
+
+
+_make_importable()
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
