@@ -120,6 +120,9 @@ class HookState:
     """
 
     def __init__(self, process_group=None, **policies):
+        if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
+            raise ValueError("HookState: a process group of some of the ranks is not supported (gradsync's ranks "
+                             "meet at world rank 0's MASTER_ADDR); use the default group")
         self.process_group = process_group
         self.policies = dict(policies)
         self.policies.setdefault("bucketing", "per-tensor")
