@@ -1,7 +1,7 @@
 // bench/allreduce — nccl-tests style: time one allreduce of each size (the topology's schedule,
 // run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
-//   allreduce [--transport in-process|shm|tcp] [--local-transport shm|tcp] [--executor task-graph|serial] [--ranks N] [--min-bytes B] [--max-bytes B]
+//   allreduce [--transport in-process|shm|tcp|mpi] [--local-transport shm|tcp|mpi] [--executor task-graph|serial] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server|hierarchical|recursive-doubling|halving-doubling|auto]
 //             [--partitions P] [--ranks-per-machine L] [--across auto|ring|recursive-doubling|halving-doubling]
@@ -11,7 +11,10 @@
 // over shared memory (gradsync-run -n N). tcp: one rank per process, placed by the launcher's
 // variables (gradsync-run, torchrun, mpirun, srun, netcluster run); --ranks is ignored. With
 // several ranks per machine (LOCAL_WORLD_SIZE > 1) those of one machine talk over shared memory
-// and only the others over TCP (transport::Routed), unless --local-transport tcp.
+// and only the others over TCP (transport::Routed), unless --local-transport tcp. mpi: one rank per
+// process of an MPI job (mpirun, srun; where gradsync was built with MPI): transport::Mpi, with
+// the ranks of one machine (as MPI tells them) over shared memory unless --local-transport mpi;
+// hierarchical's --ranks-per-machine defaults to the ranks MPI puts on a machine.
 //
 // --topology auto: each size takes recursive doubling, halving-doubling or the ring, whichever
 // topology::Auto predicts fastest on the link it measures first (engine::calibrate_link, as a Synchronizer does at
@@ -48,6 +51,10 @@
 #include "gradsync/engine/binomial_tree.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
+#include "gradsync/version.hpp"  // GRADSYNC_HAS_MPI
+#if GRADSYNC_HAS_MPI
+#include "gradsync/transport/mpi.hpp"
+#endif
 #include "toolkit/codec_by_name.hpp"
 #include "toolkit/gradient_data.hpp"
 #include "toolkit/json.hpp"
@@ -79,6 +86,7 @@ struct Config {
   std::size_t chunk_bytes = 0;  // 0: the topology's own
   std::string data = "gradient";
   std::string json;
+  int machine_ranks = 1;  // mpi: the ranks MPI puts on this rank's machine (for the transport's name)
 };
 
 struct Row {
@@ -451,7 +459,21 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
 }
 
 template <class Codec>
-std::vector<Row> run(const Config& cfg, int& ranks, const Codec& codec) {
+std::vector<Row> run(Config& cfg, int& ranks, const Codec& codec) {
+#if GRADSYNC_HAS_MPI
+  if (cfg.transport == "mpi") {
+    transport::Mpi mpi;
+    ranks = mpi.size();
+    const transport::SharedMemoryOptions machine = mpi.machine_options();
+    cfg.machine_ranks = machine.local_size;
+    if (cfg.ranks_per_machine == 0) cfg.ranks_per_machine = cfg.topology == "hierarchical" ? machine.local_size : 1;
+    if (cfg.local_transport == "shm" && machine.local_size > 1) {
+      transport::Routed routed(transport::SharedMemory(machine), std::move(mpi));
+      return run_rank(routed, cfg, codec);
+    }
+    return run_rank(mpi, cfg, codec);
+  }
+#endif
   if (cfg.transport == "shm") {
     transport::SharedMemory shm = transport::SharedMemory::from_env();
     ranks = shm.size();
@@ -485,15 +507,17 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_choice(app, "--transport", cfg.transport,
                  "in-process: the ranks are threads of this process; shm: one rank per process, all on this "
                  "machine (shared memory); tcp: one rank per process, placed by the launcher's variables (--ranks "
-                 "is ignored)",
-                 {"in-process", "shm", "tcp"});
+                 "is ignored); mpi: one rank per process of an MPI job (mpirun, srun)",
+                 GRADSYNC_HAS_MPI ? std::vector<std::string>{"in-process", "shm", "tcp", "mpi"}
+                                  : std::vector<std::string>{"in-process", "shm", "tcp"});
   tk::add_choice(app, "--executor", cfg.executor,
                  "task-graph (the default, the Synchronizer's): steps run as their data allows; serial: one "
                  "thread walks the schedule in list order",
                  {"serial", "task-graph"});
   tk::add_choice(app, "--local-transport", cfg.local_transport,
-                 "with tcp and several ranks per machine (LOCAL_WORLD_SIZE > 1): how ranks of one machine talk",
-                 {"shm", "tcp"});
+                 "with tcp or mpi and several ranks per machine: how ranks of one machine talk (shared memory, or "
+                 "the --transport itself)",
+                 {"shm", "tcp", "mpi"});
   tk::add_number(app, "--ranks", cfg.ranks, "ranks (in-process)", {.low = 1});
   tk::add_byte_size(app, "--min-bytes", cfg.min_bytes, "the first size", {.low = sizeof(float)});
   tk::add_byte_size(app, "--max-bytes", cfg.max_bytes, "no size beyond this", {.low = sizeof(float)});
@@ -529,6 +553,7 @@ void declare_options(CLI::App& app, Config& cfg) {
 
 // What carried the messages: tcp alone, or shared memory within each machine and tcp across.
 std::string transport_name(const Config& cfg) {
+  if (cfg.transport == "mpi") return cfg.local_transport == "shm" && cfg.machine_ranks > 1 ? "shm+mpi" : "mpi";
   if (cfg.transport != "tcp" || cfg.local_transport != "shm") return cfg.transport;
   const auto local = launch::process_environment("LOCAL_WORLD_SIZE");
   return local && *local != "1" ? "shm+tcp" : "tcp";
@@ -607,7 +632,13 @@ int main(int argc, char** argv) try {
   declare_options(app, cfg);
   if (!tk::parse_options(app, argc, argv)) return 0;
   if (cfg.min_bytes > cfg.max_bytes) throw std::invalid_argument("--min-bytes must not exceed --max-bytes");
-  if (cfg.ranks_per_machine == 0) cfg.ranks_per_machine = cfg.topology == "hierarchical" ? local_world_size() : 1;
+  if (cfg.local_transport != "shm" && cfg.local_transport != cfg.transport)
+    throw std::invalid_argument(fmt::format("--local-transport {} with --transport {}: the ranks of a machine talk over "
+                                            "shared memory or over the --transport itself",
+                                            cfg.local_transport, cfg.transport));
+  // Under MPI, run() takes the machine's ranks from MPI.
+  if (cfg.ranks_per_machine == 0 && cfg.transport != "mpi")
+    cfg.ranks_per_machine = cfg.topology == "hierarchical" ? local_world_size() : 1;
   int ranks = 0;
   const std::vector<Row> rows =
       tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) { return run(cfg, ranks, codec); });

@@ -56,7 +56,7 @@
 
 #include "detail/hmac.hpp"
 #include "gradsync/engine/binomial_tree.hpp"
-#include "transport/tcp/errors.hpp"
+#include "transport/errors.hpp"
 #include "transport/tcp/wire.hpp"
 
 namespace gradsync::transport::detail {

@@ -23,7 +23,7 @@
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
-#include "transport/tcp/errors.hpp"
+#include "transport/errors.hpp"
 
 namespace gradsync::transport::detail {
 

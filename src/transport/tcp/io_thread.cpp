@@ -18,7 +18,7 @@
 #include <fmt/format.h>
 
 #include "transport/tcp/engine.hpp"
-#include "transport/tcp/errors.hpp"
+#include "transport/errors.hpp"
 
 namespace gradsync::transport::detail {
 

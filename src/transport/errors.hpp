@@ -1,6 +1,6 @@
 #pragma once
-// How transport::Tcp's errors say where they happened, the same way in setup and on the data path:
-// this rank, the peer concerned if there is one, and the operation.
+// How the process transports' errors (Tcp, Mpi) say where they happened, the same way in setup and
+// on the data path: this rank, the peer concerned if there is one, and the operation.
 
 #include <optional>
 #include <string>
