@@ -87,6 +87,7 @@ struct Config {
   std::string data = "gradient";
   std::string json;
   int machine_ranks = 1;  // mpi: the ranks MPI puts on this rank's machine (for the transport's name)
+  std::string collective = "gradsync";  // or mpi-allreduce: MPI's own, timed the same way
 };
 
 struct Row {
@@ -458,9 +459,54 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   return rows;
 }
 
+#if GRADSYNC_HAS_MPI
+// The baseline gradsync is measured against on an MPI job: MPI_Allreduce of the same values on
+// MPI_COMM_WORLD (whatever collective component MPI picks: tuned, HAN, UCC...), then the division
+// by the world size gradsync's average makes, timed and checked as run_rank does.
+// No transport::Mpi lives meanwhile: the baseline is MPI alone, as a program of its own.
+std::vector<Row> run_mpi_allreduce(const Config& cfg, int& ranks) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) MPI_Init(nullptr, nullptr);
+  int n = 1, rank = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  ranks = n;
+  std::vector<Row> rows;
+  for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
+    const std::size_t count = bytes / sizeof(float);
+    const std::vector<float> mine = tk::gradient_values(count, rank);
+    std::vector<float> values(count);
+    std::vector<double> times;
+    std::uint64_t wrong = 0;
+    for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto start = Clock::now();
+      // Out of place: Open MPI 4.1's HAN crashes on MPI_IN_PLACE (seen here).
+      MPI_Allreduce(mine.data(), values.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      for (float& v : values) v /= static_cast<float>(n);
+      double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      MPI_Allreduce(MPI_IN_PLACE, &us, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);  // the slowest rank's
+      if (i >= cfg.warmup) times.push_back(us);
+      if (i == 0) {
+        std::uint64_t mine_digest = digest(values), root_digest = mine_digest;
+        MPI_Bcast(&root_digest, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+        std::uint64_t differs = mine_digest != root_digest ? 1 : 0;
+        MPI_Allreduce(MPI_IN_PLACE, &differs, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD);
+        wrong = differs;
+      }
+    }
+    if (rank == 0) rows.push_back({.bytes = bytes, .time_us = tk::median(times), .wrong = wrong, .topology = "MPI_Allreduce"});
+  }
+  if (!initialized) MPI_Finalize();
+  return rows;
+}
+#endif
+
 template <class Codec>
 std::vector<Row> run(Config& cfg, int& ranks, const Codec& codec) {
 #if GRADSYNC_HAS_MPI
+  if (cfg.collective == "mpi-allreduce") return run_mpi_allreduce(cfg, ranks);
   if (cfg.transport == "mpi") {
     transport::Mpi mpi;
     ranks = mpi.size();
@@ -547,6 +593,11 @@ void declare_options(CLI::App& app, Config& cfg) {
                  "gradient: N(0, 0.01) values, different on every rank, checked for the same bits on every rank; "
                  "constant: rank r gives r + 1, checked element by element against the arithmetic",
                  {"gradient", "constant"});
+  if (GRADSYNC_HAS_MPI)
+    tk::add_choice(app, "--collective", cfg.collective,
+                   "gradsync: the topology's schedule over the transport; mpi-allreduce: MPI's own MPI_Allreduce "
+                   "of the same values, timed the same way (--transport mpi, --codec none)",
+                   {"gradsync", "mpi-allreduce"});
   app.add_option("--json", cfg.json, "also write the rows as JSON to this file");
   app.footer("Sizes take K, M or G suffixes (binary). GB = 1e9 bytes.");
 }
@@ -560,14 +611,18 @@ std::string transport_name(const Config& cfg) {
 }
 
 void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
-  fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {}, codec {}\n", ranks, transport_name(cfg),
-             cfg.topology == "ring"                 ? ring_topology(cfg).describe()
-             : cfg.topology == "hierarchical"       ? hierarchical(cfg).describe()
-             : cfg.topology == "recursive-doubling" ? topology::RecursiveDoubling{}.describe()
-             : cfg.topology == "halving-doubling"   ? topology::HalvingDoubling{}.describe()
-             : cfg.topology == "auto"               ? topology::Auto<>{.large = ring_topology(cfg)}.describe()
-                                                    : parameter_server(cfg).describe(),
-             cfg.codec);
+  if (cfg.collective == "mpi-allreduce") {
+    fmt::print("# MPI_Allreduce beside gradsync's: {} ranks, MPI's own collective (not gradsync's schedule)\n", ranks);
+  } else {
+    fmt::print("# gradsync allreduce: {} ranks, transport {}, topology {}, codec {}\n", ranks, transport_name(cfg),
+               cfg.topology == "ring"                 ? ring_topology(cfg).describe()
+               : cfg.topology == "hierarchical"       ? hierarchical(cfg).describe()
+               : cfg.topology == "recursive-doubling" ? topology::RecursiveDoubling{}.describe()
+               : cfg.topology == "halving-doubling"   ? topology::HalvingDoubling{}.describe()
+               : cfg.topology == "auto"               ? topology::Auto<>{.large = ring_topology(cfg)}.describe()
+                                                      : parameter_server(cfg).describe(),
+               cfg.codec);
+  }
   fmt::print("# {} executor; median of {} iterations after {} warm-up, slowest rank per iteration; memcpy: rank 0, "
              "one thread\n",
              cfg.executor, cfg.iters, cfg.warmup);
@@ -594,10 +649,11 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
     const double algbw = static_cast<double>(r.bytes) / r.time_us / 1e3;
     json.push_back({{"bytes", r.bytes},
                     {"ranks", ranks},
-                    {"topology", cfg.topology},
+                    {"topology", cfg.collective == "mpi-allreduce" ? std::string("MPI_Allreduce") : cfg.topology},
                     {"schedule", r.topology},
                     {"codec", cfg.codec},
-                    {"transport", transport_name(cfg)},
+                    {"transport", cfg.collective == "mpi-allreduce" ? std::string("mpi") : transport_name(cfg)},
+                    {"collective", cfg.collective},
                     {"executor", cfg.executor},
                     {"data", cfg.data},
                     {"time_us", tk::rounded(r.time_us, 3)},
@@ -636,6 +692,9 @@ int main(int argc, char** argv) try {
     throw std::invalid_argument(fmt::format("--local-transport {} with --transport {}: the ranks of a machine talk over "
                                             "shared memory or over the --transport itself",
                                             cfg.local_transport, cfg.transport));
+  if (cfg.collective == "mpi-allreduce" && (cfg.transport != "mpi" || cfg.codec != "none"))
+    throw std::invalid_argument("--collective mpi-allreduce times MPI's own allreduce: it takes --transport mpi and "
+                                "--codec none");
   // Under MPI, run() takes the machine's ranks from MPI.
   if (cfg.ranks_per_machine == 0 && cfg.transport != "mpi")
     cfg.ranks_per_machine = cfg.topology == "hierarchical" ? local_world_size() : 1;
