@@ -1,7 +1,7 @@
 // bench/allreduce — nccl-tests style: time one allreduce of each size (the topology's schedule,
 // run by the engine with a codec over a transport), beside a memcpy of the same bytes.
 //
-//   allreduce [--transport in-process|shm|tcp|mpi] [--local-transport shm|tcp|mpi] [--executor task-graph|serial] [--ranks N] [--min-bytes B] [--max-bytes B]
+//   allreduce [--transport in-process|shm|tcp|mpi] [--local-transport shm|tcp] [--executor task-graph|serial] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology ring|parameter-server|hierarchical|recursive-doubling|halving-doubling|auto]
 //             [--partitions P] [--ranks-per-machine L] [--across auto|ring|recursive-doubling|halving-doubling]
@@ -13,8 +13,8 @@
 // several ranks per machine (LOCAL_WORLD_SIZE > 1) those of one machine talk over shared memory
 // and only the others over TCP (transport::Routed), unless --local-transport tcp. mpi: one rank per
 // process of an MPI job (mpirun, srun; where gradsync was built with MPI): transport::Mpi, with
-// the ranks of one machine (as MPI tells them) over shared memory unless --local-transport mpi;
-// hierarchical's --ranks-per-machine defaults to the ranks MPI puts on a machine.
+// the ranks of one machine (as MPI tells them) over shared memory; hierarchical's
+// --ranks-per-machine defaults to the ranks MPI puts on a machine.
 //
 // --topology auto: each size takes recursive doubling, halving-doubling or the ring, whichever
 // topology::Auto predicts fastest on the link it measures first (engine::calibrate_link, as a Synchronizer does at
@@ -513,11 +513,10 @@ std::vector<Row> run(Config& cfg, int& ranks, const Codec& codec) {
     const transport::SharedMemoryOptions machine = mpi.machine_options();
     cfg.machine_ranks = machine.local_size;
     if (cfg.ranks_per_machine == 0) cfg.ranks_per_machine = cfg.topology == "hierarchical" ? machine.local_size : 1;
-    if (cfg.local_transport == "shm" && machine.local_size > 1) {
-      transport::Routed routed(transport::SharedMemory(machine), std::move(mpi));
-      return run_rank(routed, cfg, codec);
-    }
-    return run_rank(mpi, cfg, codec);
+    // Always routed (a machine of one rank has a shared-memory world of one): one more transport
+    // type would compile every codec's run_rank again, for what MPI's own shared memory does.
+    transport::Routed routed(transport::SharedMemory(machine), std::move(mpi));
+    return run_rank(routed, cfg, codec);
   }
 #endif
   if (cfg.transport == "shm") {
@@ -561,9 +560,8 @@ void declare_options(CLI::App& app, Config& cfg) {
                  "thread walks the schedule in list order",
                  {"serial", "task-graph"});
   tk::add_choice(app, "--local-transport", cfg.local_transport,
-                 "with tcp or mpi and several ranks per machine: how ranks of one machine talk (shared memory, or "
-                 "the --transport itself)",
-                 {"shm", "tcp", "mpi"});
+                 "with tcp and several ranks per machine (LOCAL_WORLD_SIZE > 1): how ranks of one machine talk",
+                 {"shm", "tcp"});
   tk::add_number(app, "--ranks", cfg.ranks, "ranks (in-process)", {.low = 1});
   tk::add_byte_size(app, "--min-bytes", cfg.min_bytes, "the first size", {.low = sizeof(float)});
   tk::add_byte_size(app, "--max-bytes", cfg.max_bytes, "no size beyond this", {.low = sizeof(float)});
@@ -604,7 +602,7 @@ void declare_options(CLI::App& app, Config& cfg) {
 
 // What carried the messages: tcp alone, or shared memory within each machine and tcp across.
 std::string transport_name(const Config& cfg) {
-  if (cfg.transport == "mpi") return cfg.local_transport == "shm" && cfg.machine_ranks > 1 ? "shm+mpi" : "mpi";
+  if (cfg.transport == "mpi") return cfg.machine_ranks > 1 ? "shm+mpi" : "mpi";
   if (cfg.transport != "tcp" || cfg.local_transport != "shm") return cfg.transport;
   const auto local = launch::process_environment("LOCAL_WORLD_SIZE");
   return local && *local != "1" ? "shm+tcp" : "tcp";
@@ -688,10 +686,6 @@ int main(int argc, char** argv) try {
   declare_options(app, cfg);
   if (!tk::parse_options(app, argc, argv)) return 0;
   if (cfg.min_bytes > cfg.max_bytes) throw std::invalid_argument("--min-bytes must not exceed --max-bytes");
-  if (cfg.local_transport != "shm" && cfg.local_transport != cfg.transport)
-    throw std::invalid_argument(fmt::format("--local-transport {} with --transport {}: the ranks of a machine talk over "
-                                            "shared memory or over the --transport itself",
-                                            cfg.local_transport, cfg.transport));
   if (cfg.collective == "mpi-allreduce" && (cfg.transport != "mpi" || cfg.codec != "none"))
     throw std::invalid_argument("--collective mpi-allreduce times MPI's own allreduce: it takes --transport mpi and "
                                 "--codec none");

@@ -81,7 +81,7 @@ std::vector<std::uint8_t> pattern(std::size_t n, int from, int to, int salt) {
 // Averages of gradient-like values (support.hpp's spread of magnitudes) over a few iterations with
 // Synchronizer<FixedSize, C, T, X>: what this rank holds after each iteration, one after another.
 template <class C, class T, class X>
-std::vector<float> averages(X transport, Options options, C codec, T topology, int rank, int n) {
+std::vector<float> averages(X transport, Options options, C codec, T topology, int rank) {
   const std::vector<std::size_t> sizes{1, 13, 1009, 70001};
   Synchronizer<bucketing::FixedSize, C, T, X> sync(std::move(transport), options,
                                                    bucketing::FixedSize{.cap_bytes = 64 << 10, .first_cap_bytes = 16 << 10},
@@ -99,7 +99,6 @@ std::vector<float> averages(X transport, Options options, C codec, T topology, i
     sync.wait();
     for (const auto& g : grads) out.insert(out.end(), g.begin(), g.end());
   }
-  (void)n;
   return out;
 }
 
@@ -109,7 +108,7 @@ std::vector<float> in_process_reference(Options options, C codec, T topology, in
   std::vector<std::vector<float>> all(static_cast<std::size_t>(n));
   const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
     const int r = t.rank();
-    all[static_cast<std::size_t>(r)] = averages(std::move(t), options, codec, topology, r, n);
+    all[static_cast<std::size_t>(r)] = averages(std::move(t), options, codec, topology, r);
   });
   for (const auto& e : errors) REQUIRE_MESSAGE(!e, e->what());
   return all[static_cast<std::size_t>(rank)];
@@ -127,7 +126,7 @@ void check_against_in_process(const char* name, C codec, T topology) {
     Mpi mpi;
     const int rank = mpi.rank(), n = mpi.size();
     const Options options{.timeout = 30s, .executor = executor};
-    const auto got = averages(std::move(mpi), options, codec, topology, rank, n);
+    const auto got = averages(std::move(mpi), options, codec, topology, rank);
     CHECK_MESSAGE(same_bits(got, in_process_reference(options, codec, topology, rank, n)),
                   "rank ", rank, "'s averages differ from the in-process run's bits");
   }
@@ -340,7 +339,7 @@ TEST_SUITE("mpi") {
                                             .measure_link = false};
       const auto codec = compression::ErrorFeedback<compression::TwoBit>{};
       const Options options{.timeout = 30s};
-      const auto got = averages(World(transport::SharedMemory(machine), std::move(mpi)), options, codec, topology, rank, n);
+      const auto got = averages(World(transport::SharedMemory(machine), std::move(mpi)), options, codec, topology, rank);
       CHECK_MESSAGE(same_bits(got, in_process_reference(options, codec, topology, rank, n)),
                     "rank ", rank, "'s averages differ from the in-process run's bits");
     }

@@ -148,6 +148,21 @@ void MpiEngine::hand_to_mpi(Request& r) {
 
 void MpiEngine::add_in_flight(MPI_Request handle, InFlight what) { fresh_.emplace_back(handle, std::move(what)); }
 
+int MpiEngine::post_payload(const std::byte* out, std::byte* in, std::uint64_t length, std::uint64_t sequence,
+                            const InFlight& what) {
+  for (std::uint64_t k = 0, offset = 0; offset < length; ++k, offset += mpi_wire::max_piece_bytes) {
+    const auto bytes = static_cast<int>(std::min<std::uint64_t>(mpi_wire::max_piece_bytes, length - offset));
+    const int tag = mpi_wire::payload_tag(sequence + k, setup_.tag_ub);
+    MPI_Request handle;
+    const int code = out ? MPI_Isend(out + offset, bytes, MPI_BYTE, what.peer, tag, setup_.communicator, &handle)
+                         : MPI_Irecv(in + offset, bytes, MPI_BYTE, what.peer, tag, setup_.communicator, &handle);
+    if (code != MPI_SUCCESS) return code;
+    if (what.request) ++what.request->in_mpi_;
+    add_in_flight(handle, what);
+  }
+  return MPI_SUCCESS;
+}
+
 // The header, then the payload's pieces. Sequence numbers are drawn here, in the order sends reach
 // MPI, which is the order their headers travel in.
 void MpiEngine::start_send(Request& r) {
@@ -161,15 +176,8 @@ void MpiEngine::start_send(Request& r) {
   if (code != MPI_SUCCESS) return fail_posting(r, mpi_error(code, r.peer_, "send", "MPI_Isend of a header"));
   ++r.in_mpi_;
   add_in_flight(handle, {.kind = InFlight::Kind::part, .peer = r.peer_, .request = &r});
-  for (std::uint64_t k = 0, offset = 0; offset < r.size_; ++k, offset += mpi_wire::max_piece_bytes) {
-    const auto bytes = static_cast<int>(std::min<std::uint64_t>(mpi_wire::max_piece_bytes, r.size_ - offset));
-    code = MPI_Isend(r.source_ + offset, bytes, MPI_BYTE, r.peer_, mpi_wire::payload_tag(r.sequence_ + k, setup_.tag_ub),
-                     setup_.communicator, &handle);
-    if (code != MPI_SUCCESS) return fail_posting(r, mpi_error(code, r.peer_, "send", "MPI_Isend of a payload"));
-    ++r.in_mpi_;
-    add_in_flight(handle, {.kind = InFlight::Kind::part, .peer = r.peer_, .request = &r});
-  }
-  if (r.in_mpi_ == 0) settle(r);
+  code = post_payload(r.source_, nullptr, r.size_, r.sequence_, {.kind = InFlight::Kind::part, .peer = r.peer_, .request = &r});
+  if (code != MPI_SUCCESS) return fail_posting(r, mpi_error(code, r.peer_, "send", "MPI_Isend of a payload"));
 }
 
 // A receive met its header: its payload's pieces are posted into its buffer.
@@ -179,27 +187,16 @@ void MpiEngine::bind(Request& r, const mpi_wire::Header& h) {
     const Error e(ErrorKind::protocol, error_context(setup_.rank, r.peer_, "recv"), fmt::format("from rank {}: {}", r.peer_, why));
     // The payload is read somewhere and dropped, so that the sender's MPI request can finish.
     auto discarded = std::make_shared<std::vector<std::byte>>(h.length);
-    for (std::uint64_t k = 0, offset = 0; offset < h.length; ++k, offset += mpi_wire::max_piece_bytes) {
-      const auto bytes = static_cast<int>(std::min<std::uint64_t>(mpi_wire::max_piece_bytes, h.length - offset));
-      MPI_Request handle;
-      if (MPI_Irecv(discarded->data() + offset, bytes, MPI_BYTE, r.peer_, mpi_wire::payload_tag(h.sequence + k, setup_.tag_ub),
-                    setup_.communicator, &handle) == MPI_SUCCESS)
-        add_in_flight(handle, {.kind = InFlight::Kind::discard, .peer = r.peer_, .discarded = discarded});
-    }
+    post_payload(nullptr, discarded->data(), h.length, h.sequence,
+                 {.kind = InFlight::Kind::discard, .peer = r.peer_, .discarded = discarded});
     fail_transport(e, true, r.peer_);
     fail_now(r, e);
     return;
   }
   r.transferred_ = h.length;
-  for (std::uint64_t k = 0, offset = 0; offset < h.length; ++k, offset += mpi_wire::max_piece_bytes) {
-    const auto bytes = static_cast<int>(std::min<std::uint64_t>(mpi_wire::max_piece_bytes, h.length - offset));
-    MPI_Request handle;
-    const int code = MPI_Irecv(r.destination_ + offset, bytes, MPI_BYTE, r.peer_,
-                               mpi_wire::payload_tag(h.sequence + k, setup_.tag_ub), setup_.communicator, &handle);
-    if (code != MPI_SUCCESS) return fail_posting(r, mpi_error(code, r.peer_, "recv", "MPI_Irecv of a payload"));
-    ++r.in_mpi_;
-    add_in_flight(handle, {.kind = InFlight::Kind::part, .peer = r.peer_, .request = &r});
-  }
+  const int code = post_payload(nullptr, r.destination_, h.length, h.sequence,
+                                {.kind = InFlight::Kind::part, .peer = r.peer_, .request = &r});
+  if (code != MPI_SUCCESS) return fail_posting(r, mpi_error(code, r.peer_, "recv", "MPI_Irecv of a payload"));
   if (r.in_mpi_ == 0) settle(r);
 }
 

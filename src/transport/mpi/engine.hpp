@@ -91,6 +91,11 @@ class MpiEngine {
   void start_send(Request& r);
   void bind(Request& r, const mpi_wire::Header& h);
   void add_in_flight(MPI_Request handle, InFlight what);
+  // Posts a payload of `length` bytes, its first piece numbered `sequence`: sends from `out`, or
+  // receives into `in`, one MPI operation per piece, each standing for `what` (and counted in its
+  // request). MPI's code for the first that failed (none after it posted), else MPI_SUCCESS.
+  int post_payload(const std::byte* out, std::byte* in, std::uint64_t length, std::uint64_t sequence,
+                   const InFlight& what);
   void finish(Request& r, Request::State state);
   void settle(Request& r);  // its last MPI part is done: done, failed or withdrawn
   void fail_now(Request& r, const Error& e);
