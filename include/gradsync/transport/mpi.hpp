@@ -3,7 +3,7 @@
 // over whatever fabric MPI drives (Open MPI: InfiniBand and RoCE through UCX or verbs, Omni-Path
 // through PSM2, EFA through libfabric, shared memory within a machine, TCP elsewhere). Declared
 // where gradsync was built with MPI (GRADSYNC_HAS_MPI, Meson feature `mpi`); library gradsync_mpi,
-// src/transport/mpi/.
+// src/transport/mpi/, dependency 'gradsync-mpi' (only programs that use it link MPI).
 //
 // Setup. The constructor duplicates the communicator it is given (MPI_COMM_WORLD by default), so
 // gradsync's messages never meet the program's own, and sets MPI_ERRORS_RETURN on its copy: an MPI
