@@ -247,6 +247,31 @@ TEST_SUITE("mpi") {
     }
   }
 
+  TEST_CASE("bad peers, sends over the message limit, reused requests and a null communicator are refused") {
+    CHECK_THROWS_AS(Mpi({.communicator = MPI_COMM_NULL}), Error);
+    Mpi t({.max_message_bytes = 16});
+    std::vector<std::byte> big(17), room(64);
+    Mpi::Request r;
+    const auto kind_of = [](auto&& post) -> std::optional<ErrorKind> {
+      try {
+        post();
+      } catch (const Error& e) {
+        return e.kind();
+      }
+      return std::nullopt;
+    };
+    CHECK(kind_of([&] { t.send(r, t.size(), 1, {}); }) == ErrorKind::invalid_argument);
+    CHECK(kind_of([&] { t.send(r, t.rank(), 1, big); }) == ErrorKind::invalid_argument);
+    CHECK(kind_of([&] { t.wait(r, soon()); }) == ErrorKind::invalid_argument);  // never posted
+    // A receive may have room beyond the limit; a request still pending is not posted again.
+    t.recv(r, t.rank(), 2, room);
+    CHECK(kind_of([&] { t.recv(r, t.rank(), 2, room); }) == ErrorKind::invalid_argument);
+    Mpi::Request s;
+    t.send(s, t.rank(), 2, std::span(big).first(16));
+    CHECK(t.wait(r, soon()) == 16);
+    t.wait(s, soon());
+  }
+
   TEST_CASE("a wait past its deadline withdraws the receive; the message then lands in the next one") {
     Mpi t;
     const int me = t.rank();

@@ -86,7 +86,7 @@ class MpiEngine {
   static const char* operation_of(const Request& r) { return r.is_send_ ? "send" : "recv"; }
 
   // Everything below requires the lock.
-  void check_postable(Request& r, int peer, const char* operation, std::size_t bytes);
+  void check_postable(Request& r, int peer, const char* operation, std::size_t sent_bytes);
   void hand_to_mpi(Request& r);  // now (MULTIPLE) or through the progress thread (SERIALIZED)
   void start_send(Request& r);
   void bind(Request& r, const mpi_wire::Header& h);

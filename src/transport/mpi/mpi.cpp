@@ -160,6 +160,9 @@ struct MpiState {
 }  // namespace detail
 
 Mpi::Mpi(const MpiOptions& options) {
+  if (options.communicator == MPI_COMM_NULL)
+    throw Error(ErrorKind::invalid_argument, {.operation = "mpi setup"},
+                "MpiOptions::communicator is MPI_COMM_NULL: pass a communicator this rank belongs to");
   initialise_unless_done();
   int level = MPI_THREAD_SINGLE;
   check(MPI_Query_thread(&level), "MPI_Query_thread");
