@@ -13,7 +13,7 @@ mode=$1 exe=$2 ranks=$3; shift 3
 # there is no such hardware.
 mpirun=(mpirun --allow-run-as-root --oversubscribe --mca btl '^openib' -n "$ranks")
 case $mode in
-  suite) exec "${mpirun[@]}" "$exe" --no-version "$@" ;;
+  suite) exec "${mpirun[@]}" "$exe" --no-version --no-colors "$@" ;;  # mpirun hands ranks a tty: no colour codes for tools/test-summary
   killed)
     case_name='killed:*'
     start=$(date +%s.%N)
