@@ -177,6 +177,7 @@ TEST_SUITE("cuda") {
       CHECK_MESSAGE(std::string(e.what()).find("1000 values, where codec 3, format version 1, 1001 values") !=
                         std::string::npos,
                     e.what());
+      CHECK(!e.context().bucket);  // no set_bucket() on this stream
     }
     const auto after = wrong.host();
     CHECK(std::memcmp(before.data(), after.data(), before.size() * sizeof(float)) == 0);
@@ -191,6 +192,36 @@ TEST_SUITE("cuda") {
     codec.decode(host_encoded, std::span<float>(expected), DecodeMode::overwrite);
     const auto decoded = right.host();
     for (std::size_t i = 0; i < expected.size(); ++i) REQUIRE(same_bits(decoded[i], expected[i]));
+  }
+
+  // Buckets' decodes queue on one stream and a fault is seen at the next synchronize(), which may
+  // be for another bucket's work: the error names the bucket of the decode that found it, the
+  // first of several.
+  TEST_CASE("a decode fault names the bucket its decode was queued for" * doctest::skip(no_device)) {
+    const compression::TwoBit codec;
+    const DeviceVector<float> in(test::random_values(1000, 4));
+    DeviceVector<std::byte> encoded(codec.max_encoded_bytes(1000, DType::f32));
+    cuda::Stream stream;
+    compression::TwoBit::State state;
+    cuda::encode(codec, state, in.data, 1000, encoded.data, stream);
+    const DeviceVector<float> fits(std::vector<float>(1000)), wrong(std::vector<float>(1001));
+    stream.set_bucket(3);
+    cuda::decode(codec, encoded.data, encoded.size, fits.data, 1000, DecodeMode::add, stream);
+    stream.set_bucket(4);
+    cuda::decode(codec, encoded.data, encoded.size, wrong.data, 1001, DecodeMode::add, stream);  // the first fault
+    stream.set_bucket(5);
+    cuda::decode(codec, encoded.data, encoded.size, wrong.data, 1001, DecodeMode::overwrite, stream);  // a second
+    stream.set_bucket(6);
+    cuda::decode(codec, encoded.data, encoded.size, fits.data, 1000, DecodeMode::add, stream);
+    try {
+      stream.synchronize();
+      FAIL("the wrong count was not reported");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::protocol);
+      CHECK(e.context().bucket == std::optional<std::uint32_t>(4));
+      CHECK_MESSAGE(std::string(e.what()).find("bucket 4") != std::string::npos, e.what());
+    }
+    stream.synchronize();  // the report was taken with the first fault's
   }
 
   TEST_CASE("f16 and bf16 conversions give the host's bits on the device" * doctest::skip(no_device)) {

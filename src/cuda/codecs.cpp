@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -94,6 +95,8 @@ struct Stream::Impl {
   float* parameter = nullptr;  // a run's parameter computed on the device (a scale)
   kernels::DecodeCheck* check = nullptr;         // mapped host memory: what decode kernels found
   kernels::DecodeCheck* check_device = nullptr;  // ... as the device addresses it
+  std::uint64_t site = no_bucket;  // the bucket decodes queued now belong to (set_bucket)
+  static constexpr std::uint64_t no_bucket = ~std::uint64_t{0};
 };
 
 int device_count() {
@@ -150,8 +153,12 @@ void Stream::synchronize() {
                            impl_->device, describe_header(found.found), describe_header(found.expected));
     }
   }();
-  throw Error(ErrorKind::protocol, {.operation = "decode"}, what + "; that decode wrote nothing");
+  ErrorContext context{.operation = "decode"};
+  if (found.site != Impl::no_bucket) context.bucket = static_cast<std::uint32_t>(found.site);
+  throw Error(ErrorKind::protocol, std::move(context), what + "; that decode wrote nothing");
 }
+
+void Stream::set_bucket(std::uint32_t bucket) noexcept { impl_->site = bucket; }
 
 Event::~Event() {
   if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));  // from any device: the caller's stays current
@@ -269,7 +276,7 @@ void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, 
   decode_packed(in, bytes, n, compression::CodecId::two_bit, "two-bit", compression::Packed<2>::words(n), stream,
                 [&](std::uint64_t header) {
                   return kernels::decode_two_bit(in, n, out, mode == DecodeMode::add, header,
-                                                 stream.impl().check_device, stream.native());
+                                                 stream.impl().check_device, stream.impl().site, stream.native());
                 });
 }
 
@@ -296,7 +303,7 @@ void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, 
   decode_packed(in, bytes, n, compression::CodecId::one_bit, "one-bit", compression::Packed<1>::words(n), stream,
                 [&](std::uint64_t header) {
                   return kernels::decode_one_bit(in, n, out, mode == DecodeMode::add, header,
-                                                 stream.impl().check_device, stream.native());
+                                                 stream.impl().check_device, stream.impl().site, stream.native());
                 });
 }
 
@@ -316,7 +323,7 @@ void decode(const compression::TernGrad<Bits>&, const std::byte* in, std::size_t
   decode_packed(in, bytes, n, compression::CodecId::terngrad, "terngrad",
                 compression::TernGrad<Bits>::Layout::words(n), stream, [&](std::uint64_t header) {
                   return kernels::decode_terngrad(Bits, in, n, out, mode == DecodeMode::add, header,
-                                                  stream.impl().check_device, stream.native());
+                                                  stream.impl().check_device, stream.impl().site, stream.native());
                 });
 }
 
@@ -397,7 +404,7 @@ void decode(const compression::TopK& codec, const std::byte* in, std::size_t byt
   const std::size_t k = codec.keep.of(n);
   check(kernels::decode_top_k(in, n, k, out, mode == DecodeMode::add,
                               expected_header(bytes, compression::CodecId::top_k, "top-k", n, 4 + 8 * k),
-                              stream.impl().top_k, stream.impl().check_device, stream.native()),
+                              stream.impl().top_k, stream.impl().check_device, stream.impl().site, stream.native()),
         "decode");
 }
 

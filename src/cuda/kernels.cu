@@ -224,7 +224,7 @@ __global__ void pack(std::size_t n, std::byte* out, std::uint64_t header, const 
 // `vector`: out is 16-byte aligned.
 template <unsigned Bits, class Value>
 __global__ void unpack(const std::byte* in, std::size_t n, float* out, bool add, bool vector, Value value,
-                       std::uint64_t header, DecodeCheck* check) {
+                       std::uint64_t header, DecodeCheck* check, std::uint64_t site) {
   using Codes = compression::PackedCodes<Bits>;
   static_assert(Codes::per_word % per_thread == 0);
   const std::size_t q = thread_index(), first = q * per_thread;
@@ -233,9 +233,10 @@ __global__ void unpack(const std::byte* in, std::size_t n, float* out, bool add,
   // encoding writes nothing and the host never waits for the header.
   const std::uint64_t found = *reinterpret_cast<const std::uint64_t*>(in);
   if (found != header) {
-    if (q == 0) {
+    if (q == 0 && check->failed == DecodeCheck::none) {  // an earlier decode's fault stays
       check->found = found;
       check->expected = header;
+      check->site = site;
       __threadfence_system();
       check->failed = DecodeCheck::header;
     }
@@ -264,10 +265,10 @@ int pack_on(std::size_t n, std::byte* out, std::uint64_t header, const float* de
 
 template <unsigned Bits, class Value>
 int unpack_on(const std::byte* in, std::size_t n, float* out, bool add, Value value, std::uint64_t header,
-              DecodeCheck* check, void* stream) {
+              DecodeCheck* check, std::uint64_t site, void* stream) {
   if (n == 0) return 0;
   unpack<Bits><<<blocks_for_quads(n), threads, 0, native(stream)>>>(in, n, out, add, aligned(out, 16), value, header,
-                                                                     check);
+                                                                     check, site);
   return launched();
 }
 
@@ -527,7 +528,7 @@ __global__ void top_k_clear(float* out, std::size_t n, const TopKScratch* scratc
 }
 
 __global__ void top_k_scatter(const std::byte* in, std::size_t n, std::size_t k, float* out, std::uint64_t header,
-                              const TopKScratch* scratch, DecodeCheck* check) {
+                              const TopKScratch* scratch, DecodeCheck* check, std::uint64_t site) {
   const std::size_t j = thread_index();
   const std::uint64_t fault = scratch->first_fault;
   const auto* index = reinterpret_cast<const std::uint32_t*>(in + compression::header_bytes + 4);
@@ -536,7 +537,7 @@ __global__ void top_k_scatter(const std::byte* in, std::size_t n, std::size_t k,
     if (j < k) out[index[j]] = numeric::add_rn(out[index[j]], reinterpret_cast<const float*>(index + k)[j]);
     return;
   }
-  if (j != 0) return;
+  if (j != 0 || check->failed != DecodeCheck::none) return;  // an earlier decode's fault stays
   unsigned failed = DecodeCheck::header;
   if (fault == 0) {
     check->found = *reinterpret_cast<const std::uint64_t*>(in);
@@ -551,6 +552,7 @@ __global__ void top_k_scatter(const std::byte* in, std::size_t n, std::size_t k,
     check->expected = n;
     failed = DecodeCheck::index;
   }
+  check->site = site;
   __threadfence_system();
   check->failed = failed;
 }
@@ -669,19 +671,19 @@ int encode_terngrad(unsigned bits, const float* in, std::size_t n, std::byte* ou
 }
 
 int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
-                   void* stream) {
-  return unpack_on<2>(in, n, out, add, TwoBitValue{}, header, check, stream);
+                   std::uint64_t site, void* stream) {
+  return unpack_on<2>(in, n, out, add, TwoBitValue{}, header, check, site, stream);
 }
 int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
-                   void* stream) {
-  return unpack_on<1>(in, n, out, add, SignValue{}, header, check, stream);
+                   std::uint64_t site, void* stream) {
+  return unpack_on<1>(in, n, out, add, SignValue{}, header, check, site, stream);
 }
 int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header,
-                    DecodeCheck* check, void* stream) {
+                    DecodeCheck* check, std::uint64_t site, void* stream) {
   switch (bits) {
-    case 2: return unpack_on<2>(in, n, out, add, TernaryValue<2>{}, header, check, stream);
-    case 4: return unpack_on<4>(in, n, out, add, TernaryValue<4>{}, header, check, stream);
-    default: return unpack_on<8>(in, n, out, add, TernaryValue<8>{}, header, check, stream);
+    case 2: return unpack_on<2>(in, n, out, add, TernaryValue<2>{}, header, check, site, stream);
+    case 4: return unpack_on<4>(in, n, out, add, TernaryValue<4>{}, header, check, site, stream);
+    default: return unpack_on<8>(in, n, out, add, TernaryValue<8>{}, header, check, site, stream);
   }
 }
 
@@ -731,7 +733,7 @@ int encode_top_k(const float* in, float* residual, std::size_t n, std::size_t k,
 }
 
 int decode_top_k(const std::byte* in, std::size_t n, std::size_t k, float* out, bool add, std::uint64_t header,
-                 TopKScratch* scratch, DecodeCheck* check, void* stream) {
+                 TopKScratch* scratch, DecodeCheck* check, std::uint64_t site, void* stream) {
   const cudaStream_t s = native(stream);
   if (const auto status = cudaMemsetAsync(&scratch->first_fault, 0xff, sizeof scratch->first_fault, s))
     return static_cast<int>(status);
@@ -739,7 +741,7 @@ int decode_top_k(const std::byte* in, std::size_t n, std::size_t k, float* out, 
   if (const int status = launched()) return status;  // nothing may write unchecked
   if (!add && n > 0) top_k_clear<<<blocks_for(n), threads, 0, s>>>(out, n, scratch);
   if (const int status = launched()) return status;
-  top_k_scatter<<<blocks_for(k), threads, 0, s>>>(in, n, k, out, header, scratch, check);
+  top_k_scatter<<<blocks_for(k), threads, 0, s>>>(in, n, k, out, header, scratch, check, site);
   return launched();
 }
 

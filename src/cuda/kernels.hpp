@@ -13,12 +13,15 @@ namespace gradsync::cuda::kernels {
 // Where a decode kernel reports an encoding it refuses, so that the host need not copy the
 // encoding's header back and wait before decoding: page-locked host memory the kernels write
 // through (cudaHostAllocMapped), read after the stream's next synchronization. The decode that
-// finds a fault writes nothing else; `failed` is set last, to the fault's kind.
+// finds a fault writes nothing else; `failed` is set last, to the fault's kind. Only the first
+// fault since the host last cleared it is kept, with the `site` its decode was launched for (the
+// caller's number: a bucket), since several buckets' decodes may be queued before the host looks.
 struct DecodeCheck {
   enum Fault : unsigned { none = 0, header = 1, count = 2, index = 3 };
   std::uint64_t found;     // header: the header word found; count: the count; index: the index
   std::uint64_t expected;  // header: the word expected; count: the codec's k; index: the values
   std::uint64_t position;  // index: where in the encoding's list of indices
+  std::uint64_t site;      // the faulting decode's
   unsigned failed;         // a Fault
 };
 
@@ -43,13 +46,13 @@ int encode_two_bit_keeping_error(const float* in, float* residual, std::size_t n
 int encode_one_bit_keeping_error(const float* in, float* residual, std::size_t n, std::byte* out, std::uint64_t header,
                                  double* sums, float* scale, void* stream);
 // Packed decodes compare the encoding's first 8 bytes with `header` on the device, reporting a
-// mismatch to `check` (the device's view of it) instead of decoding.
+// mismatch to `check` (the device's view of it), as `site`'s, instead of decoding.
 int decode_two_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
-                   void* stream);
+                   std::uint64_t site, void* stream);
 int decode_one_bit(const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header, DecodeCheck* check,
-                   void* stream);
+                   std::uint64_t site, void* stream);
 int decode_terngrad(unsigned bits, const std::byte* in, std::size_t n, float* out, bool add, std::uint64_t header,
-                    DecodeCheck* check, void* stream);
+                    DecodeCheck* check, std::uint64_t site, void* stream);
 
 int encode_random_k(const float* in, std::size_t n, std::size_t k, std::uint64_t key, std::byte* out,
                     std::uint64_t header, void* stream);
@@ -74,9 +77,9 @@ std::size_t top_k_tiles(std::size_t n);
 int encode_top_k(const float* in, float* residual, std::size_t n, std::size_t k, std::byte* out, std::uint64_t header,
                  TopKScratch* scratch, std::uint64_t* tile_counts, void* stream);
 // Checks the header, the count and every index (in range, strictly ascending) on the device
-// before anything is written, reporting the first fault to `check`.
+// before anything is written, reporting the first fault to `check` as `site`'s.
 int decode_top_k(const std::byte* in, std::size_t n, std::size_t k, float* out, bool add, std::uint64_t header,
-                 TopKScratch* scratch, DecodeCheck* check, void* stream);
+                 TopKScratch* scratch, DecodeCheck* check, std::uint64_t site, void* stream);
 
 int accumulate(float* residual, const float* in, std::size_t n, void* stream);
 int negate(float* values, std::size_t n, void* stream);

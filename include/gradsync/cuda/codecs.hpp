@@ -24,6 +24,7 @@
 // zeroed by the caller).
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 #include "gradsync/compression/bf16.hpp"
@@ -52,7 +53,12 @@ class Stream {
   int device() const noexcept;
   void* native() const noexcept;  // the cudaStream_t
   void reserve(std::size_t values);  // scratch for runs of up to `values` values
-  void synchronize();  // waits for the stream; throws what a decode found wrong since the last one
+  // Waits for the stream; throws what a decode found wrong since the last one: Error(protocol)
+  // naming the bucket that decode was queued for (set_bucket), whichever bucket's work is waited for.
+  void synchronize();
+  // The bucket the decodes queued from now on belong to (none at first): several buckets' decodes
+  // share a stream, and a fault one of them finds is seen only at the next synchronize().
+  void set_bucket(std::uint32_t bucket) noexcept;
 
   struct Impl;
   Impl& impl() noexcept { return *impl_; }  // for the library's own kernels

@@ -157,10 +157,11 @@ class BucketExchange {
     if constexpr (DeviceTransport<X>) prepare_device(codec, dtype, transport);
   }
 
-  // Records this bucket's steps in `timeline` from now on (the Synchronizer's, if it keeps one).
+  // This is bucket `bucket`'s exchange: its steps go in `timeline` from now on (the
+  // Synchronizer's, if it keeps one), and a fault its device decodes find names it.
   void trace(Timeline* timeline, std::uint32_t bucket) {
     timeline_ = timeline;
-    traced_bucket_ = bucket;
+    bucket_ = bucket;
     posted_at_.assign(timeline ? schedule_.steps.size() : 0, 0);
     posted_peer_.assign(timeline ? schedule_.steps.size() : 0, -1);
   }
@@ -169,7 +170,7 @@ class BucketExchange {
   void transfer_done(std::size_t index, std::size_t bytes) noexcept {
     if (!timeline_) return;
     timeline_->record(schedule_.steps[index].op == Step::Op::send ? Timeline::Kind::send : Timeline::Kind::recv,
-                      posted_at_[index], traced_bucket_, bytes, posted_peer_[index]);
+                      posted_at_[index], bucket_, bytes, posted_peer_[index]);
   }
 
   // Receives that may add on arrival (the top of this file): what the tests check.
@@ -223,7 +224,7 @@ class BucketExchange {
     timeline_->record(step.op == Step::Op::encode    ? Timeline::Kind::encode
                       : step.op == Step::Op::average ? Timeline::Kind::average
                                                      : Timeline::Kind::decode,
-                      started, traced_bucket_, step.range.size());
+                      started, bucket_, step.range.size());
   }
 
   // Posts send or receive step `index`; counts the bytes a send puts on the wire.
@@ -389,6 +390,7 @@ class BucketExchange {
       }
       const bool add = step.op == Step::Op::decode_add;
       const std::size_t bytes = slot_bytes_[step.slot];
+      stream.set_bucket(bucket_);  // found at some later synchronize(), maybe another bucket's
       if (raw) {
         if (bytes != range.size_bytes())
           throw Error(ErrorKind::protocol, {.operation = "recv"},
@@ -499,7 +501,7 @@ class BucketExchange {
   detail::TransportBuffer<X> residuals_;       // device path, error feedback: residuals of the encode steps
   std::vector<std::size_t> residual_offset_;   // ... where each encode step's starts
   Timeline* timeline_ = nullptr;               // trace(): where steps are recorded, if anywhere
-  std::uint32_t traced_bucket_ = 0;
+  std::uint32_t bucket_ = 0;                   // trace(): which bucket this exchange is
   std::vector<std::int64_t> posted_at_;        // per transfer, with a timeline: when it was posted
   std::vector<std::int32_t> posted_peer_;      // ... and to or from which transport rank
 };
