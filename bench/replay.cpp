@@ -479,6 +479,7 @@ int main(int argc, char** argv) try {
     return tk::with_codec(cfg.codec, cfg.codec_settings, [&]<class Codec>(const Codec& codec) {
       using Transport = gs::transport::CudaStaged<tk::JobTransport>;
       Transport staged(std::move(transport), device, {.ipc = cfg.ipc});
+      if (!staged.ipc_fallback().empty()) fmt::print(stderr, "replay: rank {}: {}\n", staged.rank(), staged.ipc_fallback());
       const std::string transport_name = staged.describe();
       gs::Synchronizer<gs::bucketing::FixedSize, Codec, gs::topology::Ring, Transport> sync(
           std::move(staged), options_for(cfg),

@@ -158,7 +158,8 @@ void device_matches_host(const std::string& what, const C& codec, const T& topol
                                                                 {.ipc = path == DevicePath::ipc});
               // Tcp holds a message behind an unmatched one, so it stages even with ipc on.
               if (device.ipc_peers() != (path == DevicePath::ipc && shared_memory ? n - 1 : 0))
-                throw std::runtime_error(fmt::format("{} peers through CUDA IPC", device.ipc_peers()));
+                throw std::runtime_error(fmt::format("{} peers through CUDA IPC ({})", device.ipc_peers(),
+                                                     device.ipc_fallback()));
               return run(std::move(device), rank, true, codec, topology, layout, executor);
             }
             return run(std::move(transport), rank, on_device, codec, topology, layout);
@@ -207,7 +208,8 @@ template <class X>
 std::string die_at_iteration_two(X transport, int rank, Executor executor, bool ipc) {
   using Staged = transport::CudaStaged<X>;
   Staged staged(std::move(transport), 0, {.ipc = ipc});
-  if (ipc && staged.ipc_peers() != 2) return fmt::format("{} peers through CUDA IPC", staged.ipc_peers());
+  if (ipc && staged.ipc_peers() != 2)
+    return fmt::format("{} peers through CUDA IPC ({})", staged.ipc_peers(), staged.ipc_fallback());
   Synchronizer<bucketing::FixedSize, compression::ErrorFeedback<compression::TwoBit>, topology::Ring, Staged> sync(
       std::move(staged), {.timeout = 20s, .executor = executor}, {.cap_bytes = 8192, .first_cap_bytes = 2048}, {},
       topology::Ring{.chunk_elements = 256});

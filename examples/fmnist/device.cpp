@@ -66,10 +66,10 @@ int train_on_device(const Options& o) {
   }
   tk::JobTransport transport = tk::connect_or_alone();
   settings.rank = transport.rank();
-  return tk::with_codec(o.codec, settings, [&](const auto& codec) {
-    return train_over(o, gs::transport::CudaStaged<tk::JobTransport>(std::move(transport), device, {.ipc = o.ipc}),
-                      codec, device);
-  });
+  gs::transport::CudaStaged<tk::JobTransport> staged(std::move(transport), device, {.ipc = o.ipc});
+  if (!staged.ipc_fallback().empty()) fmt::print(stderr, "fmnist: rank {}: {}\n", settings.rank, staged.ipc_fallback());
+  return tk::with_codec(o.codec, settings,
+                        [&](const auto& codec) { return train_over(o, std::move(staged), codec, device); });
 }
 
 }  // namespace fmnist::program

@@ -42,7 +42,7 @@ enum class ControlMessage : std::uint32_t {
   membership = 0x40000000u,    // whom each rank counts in its group, up a tree of the members and back
   transports = 0x7ffffff0u,    // ids + 0 .. + 15: transports' own messages, each transport naming
                                // its ids where it is written (transport/nccl.cpp: + 0 .. + 2,
-                               // transport/cuda_ipc.hpp: + 8 .. + 9; apart, as both ride on Tcp)
+                               // transport/cuda_ipc.hpp: + 8 .. + 10; apart, as both ride on Tcp)
   coordinator_report = 0x80000000u,  // coordinated sends: rank -> coordinator (sequence-numbered)
   coordinator_grant = 0x80000001u,   // coordinator -> rank
 };

@@ -22,8 +22,9 @@
 //
 // The peers it routes through IPC are those in another process on this GPU that X reaches
 // without holding a later message behind one that no receive matches yet
-// (X::passes_unmatched(peer), concepts.hpp: SharedMemory, Routed within the machine). Tcp stops
-// reading a socket at such a message, and an acknowledgement behind it could wait for ever.
+// (X::passes_unmatched(peer), concepts.hpp: SharedMemory, Routed within the machine), and whose
+// memory CUDA lets both sides map (a probe at connect()). Tcp stops reading a socket at such a
+// message, and an acknowledgement behind it could wait for ever.
 //
 // Not thread-safe: CudaStaged calls it from the thread that posts.
 
@@ -37,11 +38,13 @@
 #include <memory>
 #include <random>
 #include <span>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/cuda/memory.hpp"
@@ -51,9 +54,9 @@
 namespace gradsync::transport::detail {
 
 // CudaStaged's own messages over X with IPC, in engine::ControlMessage::transports' range: each
-// rank's GPU and process to every peer, and notices about blocks peers may have mapped (numbered
-// per pair).
-inline constexpr std::uint32_t ipc_identity_message = 8, ipc_notice_message = 9;
+// rank's GPU and process to every peer, the answers to its probe, and notices about blocks peers
+// may have mapped (numbered per pair).
+inline constexpr std::uint32_t ipc_identity_message = 8, ipc_notice_message = 9, ipc_probe_message = 10;
 
 // What X carries for a message through CUDA IPC: where its bytes lie in the sender's block.
 struct IpcDescriptor {
@@ -69,14 +72,25 @@ struct IpcDescriptor {
 
 // What each rank tells every peer at setup: the GPU it uses and which process it is (a random
 // number with the pid: pids repeat across containers, and a forked child keeps its parent's
-// statics), and whether X lets it take IPC messages from that peer.
+// statics), whether X lets it take IPC messages from that peer, and the handle of its probe
+// block, which the peers on its GPU try to map (CudaIpc::connect).
 struct IpcIdentity {
-  static constexpr std::uint32_t current_version = 1;
+  static constexpr std::uint32_t current_version = 2;
+  static constexpr const char* name = "identity";
   std::uint32_t version = current_version;
   std::uint32_t passes_unmatched = 0;
   cuda::DeviceUuid device{};
   std::int64_t pid = 0;
   std::uint64_t nonce = 0;
+  cuda::IpcHandle probe{};
+};
+
+// A peer's answer to the probe: whether it mapped this rank's probe block (and has let it go).
+struct IpcProbeAnswer {
+  static constexpr std::uint32_t current_version = 1;
+  static constexpr const char* name = "probe answer";
+  std::uint32_t version = current_version;
+  std::uint32_t mapped = 0;
 };
 
 // A notice about a block: "release" (its owner wants to free it), "released" (the peer has no
@@ -108,50 +122,68 @@ class CudaIpc {
  public:
   // Tells every peer which GPU and process this rank is, hears the same from each, and from then
   // on reaches through IPC those in another process on GPU `device` that X passes unmatched
-  // messages to and from (both sides must say so). Throws Error(timeout) naming the first peer
-  // that did not answer within `timeout`.
+  // messages to and from (both sides must say so) and whose memory both sides could map: each
+  // rank's identity carries the handle of a small block of its own, which the peers on its GPU
+  // map and let go of at once, and say whether they could. CUDA may refuse it where processes
+  // share the GPU (containers with IPC namespaces of their own, say); such a pair goes through
+  // host mirrors, as fallback() tells, rather than fail at its first message. Throws
+  // Error(timeout) naming the first peer that did not answer within `timeout`.
   void connect(X& x, int device, std::chrono::milliseconds timeout) {
     device_ = device;
     const int rank = x.rank(), size = x.size();
     const auto n = static_cast<std::size_t>(size);
-    const IpcIdentity mine{.device = cuda::device_uuid(device), .pid = ::getpid(), .nonce = process_nonce()};
-    std::vector<IpcIdentity> theirs(n);
-    std::vector<IpcIdentity> told(n, mine);
-    std::vector<typename X::Request> sends(n), receives(n);
-    const std::uint64_t tag = engine::control_tag(0, engine::ControlMessage::transports, ipc_identity_message);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
-    int peer = 0;
+    // Left allocated if setup fails: a peer may have it mapped.
+    void* probe = cuda::allocate_on_device(ipc_granule, device);
+    IpcIdentity mine{.device = cuda::device_uuid(device), .pid = ::getpid(), .nonce = process_nonce()};
     try {
-      for (peer = 0; peer < size; ++peer) {
-        if (peer == rank) continue;
-        told[peer].passes_unmatched = passes_unmatched(x, peer);
-        x.recv(receives[peer], peer, tag, std::as_writable_bytes(std::span(&theirs[peer], 1)));
-        x.send(sends[peer], peer, tag, std::as_bytes(std::span(&told[peer], 1)));
-      }
-      for (peer = 0; peer < size; ++peer) {
-        if (peer == rank) continue;
-        const std::size_t got = x.wait(receives[peer], deadline);
-        if (got != sizeof mine || theirs[peer].version != IpcIdentity::current_version)
-          throw Error(ErrorKind::protocol, {},
-                      fmt::format("an identity of {} bytes, version {}; expected {} bytes, version {}", got,
-                                  theirs[peer].version, sizeof mine, IpcIdentity::current_version));
-        x.wait(sends[peer], deadline);
-      }
-    } catch (const Error& e) {
-      for (int p = 0; p < size; ++p)
-        if (p != rank) withdraw(x, receives[p]), withdraw(x, sends[p]);
-      throw Error(e.kind(), {.rank = rank, .peer = peer, .operation = "cuda ipc setup"},
-                  fmt::format("{} (CudaStaged's ipc option must be on for every rank alike)", e.detail()));
+      mine.probe = cuda::ipc_handle(probe, device);
+    } catch (...) {
+      cuda::free_on_device(probe, device);
+      throw;
     }
+    std::vector<IpcIdentity> theirs(n), told(n, mine);
+    for (int peer = 0; peer < size; ++peer) told[peer].passes_unmatched = peer != rank && passes_unmatched(x, peer);
+    swap(x, [&](int peer) { return peer != rank; }, told, theirs, ipc_identity_message, deadline);
+
+    // Symmetric: both sides of a pair find the same.
+    const auto shares_gpu = [&](int peer) {
+      const auto p = static_cast<std::size_t>(peer);
+      return peer != rank && theirs[p].device == mine.device &&
+             (theirs[p].pid != mine.pid || theirs[p].nonce != mine.nonce) && theirs[p].passes_unmatched &&
+             told[p].passes_unmatched;
+    };
+    std::vector<IpcProbeAnswer> mapped(n), answers(n);
+    std::string refusal;  // the first CUDA error mapping a peer's probe
+    for (int peer = 0; peer < size; ++peer) {
+      if (!shares_gpu(peer)) continue;
+      try {
+        cuda::close_ipc_handle(cuda::open_ipc_handle(theirs[peer].probe, device), device);
+        mapped[peer].mapped = 1;
+      } catch (const Error& e) {
+        if (refusal.empty()) refusal = fmt::format("mapping rank {}'s memory here: {}", peer, e.detail());
+      }
+    }
+    swap(x, shares_gpu, mapped, answers, ipc_probe_message, deadline);
+    cuda::free_on_device(probe, device);  // every peer that mapped it has answered: none maps it now
+
     reaches_.assign(n, false);
+    std::vector<int> refused;
+    for (int peer = 0; peer < size; ++peer) {
+      const auto p = static_cast<std::size_t>(peer);
+      reaches_[p] = shares_gpu(peer) && mapped[p].mapped && answers[p].mapped;
+      if (shares_gpu(peer) && !reaches_[p]) refused.push_back(peer);
+    }
+    fallback_ = refused.empty() ? std::string()
+                                : fmt::format("CUDA IPC refused with rank(s) {} on this GPU, reached through host "
+                                              "mirrors instead: {}",
+                                              fmt::join(refused, ", "),
+                                              refusal.empty() ? "they could not map this rank's memory" : refusal);
     inboxes_.clear();
     inboxes_.resize(n);
     notices_sent_.assign(n, 0);
-    for (peer = 0; peer < size; ++peer) {
+    for (int peer = 0; peer < size; ++peer) {
       const auto p = static_cast<std::size_t>(peer);
-      reaches_[p] = peer != rank && theirs[p].device == mine.device &&
-                    (theirs[p].pid != mine.pid || theirs[p].nonce != mine.nonce) && theirs[p].passes_unmatched &&
-                    told[p].passes_unmatched;
       if (!reaches_[p]) continue;
       inboxes_[p] = std::make_unique<Inbox>();
       try {
@@ -167,6 +199,9 @@ class CudaIpc {
     }
     peers_ = static_cast<int>(std::count(reaches_.begin(), reaches_.end(), true));
   }
+
+  // Why some peers on this GPU go through host mirrors after all (empty: none do).
+  const std::string& fallback() const noexcept { return fallback_; }
 
   bool reaches(int peer) const { return !reaches_.empty() && reaches_[static_cast<std::size_t>(peer)]; }
   int peers() const noexcept { return peers_; }
@@ -303,7 +338,44 @@ class CudaIpc {
     return false;
   }
 
+  // The IPC block size CudaStaged allocates in: the CUDA Programming Guide advises sharing only
+  // 2 MiB-aligned sizes (cuda_staged.hpp: allocate).
+  static constexpr std::size_t ipc_granule = std::size_t{2} << 20;
+
  private:
+  // Sends told[p] to, and receives theirs[p] from, every peer `with(p)` picks, on transport message
+  // `message`, by `deadline`. A failure names the peer, after what is still posted is withdrawn.
+  template <class Message, class With>
+  static void swap(X& x, With with, std::vector<Message>& told, std::vector<Message>& theirs, std::uint32_t message,
+                   std::chrono::steady_clock::time_point deadline) {
+    const int size = x.size();
+    const std::uint64_t tag = engine::control_tag(0, engine::ControlMessage::transports, message);
+    std::vector<typename X::Request> sends(static_cast<std::size_t>(size)), receives(static_cast<std::size_t>(size));
+    int peer = 0;
+    try {
+      for (peer = 0; peer < size; ++peer) {
+        if (!with(peer)) continue;
+        theirs[peer].version = 0;  // what arrives must say its own
+        x.recv(receives[peer], peer, tag, std::as_writable_bytes(std::span(&theirs[peer], 1)));
+        x.send(sends[peer], peer, tag, std::as_bytes(std::span(&told[peer], 1)));
+      }
+      for (peer = 0; peer < size; ++peer) {
+        if (!with(peer)) continue;
+        const std::size_t got = x.wait(receives[peer], deadline);
+        if (got != sizeof(Message) || theirs[peer].version != Message::current_version)
+          throw Error(ErrorKind::protocol, {},
+                      fmt::format("a {} of {} bytes, version {}; expected {} bytes, version {}", Message::name, got,
+                                  theirs[peer].version, sizeof(Message), Message::current_version));
+        x.wait(sends[peer], deadline);
+      }
+    } catch (const Error& e) {
+      for (int p = 0; p < size; ++p)
+        if (with(p)) withdraw(x, receives[p]), withdraw(x, sends[p]);
+      throw Error(e.kind(), {.rank = x.rank(), .peer = peer, .operation = "cuda ipc setup"},
+                  fmt::format("{} (CudaStaged's ipc option must be on for every rank alike)", e.detail()));
+    }
+  }
+
   struct Mapping {
     int peer;
     std::uint64_t generation;
@@ -412,6 +484,7 @@ class CudaIpc {
 
   int device_ = 0;
   std::vector<bool> reaches_;  // by peer; empty before connect()
+  std::string fallback_;       // connect(): why peers on this GPU are not reached, if some are not
   int peers_ = 0;
   std::uint64_t generations_ = 0;
   std::vector<Mapping> mappings_;

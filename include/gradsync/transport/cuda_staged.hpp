@@ -22,7 +22,8 @@
 //
 // With CudaStagedOptions::ipc, peers in another process on the same GPU that X reaches without holding
 // messages behind an unmatched one (SharedMemory, Routed within the machine; cuda_ipc.hpp says
-// why) skip the host. X carries only a descriptor of where the bytes lie in the sender's block
+// why) and whose memory CUDA lets both sides map (probed at construction; ipc_fallback() names
+// the others) skip the host. X carries only a descriptor of where the bytes lie in the sender's block
 // (its CUDA IPC handle, an offset, a length), posted once the encode that wrote them is done. The
 // receiver maps that block once, copies out of it device to device as it would from its mirror,
 // waits for that copy and acknowledges it over X, on the message's tag with bit 31 set
@@ -155,6 +156,9 @@ class CudaStaged {
   X& inner() noexcept { return inner_; }
   // How many peers this rank exchanges device bytes with through CUDA IPC.
   int ipc_peers() const noexcept { return ipc_.peers(); }
+  // With CudaStagedOptions::ipc: why some peers on this GPU go through host mirrors after all
+  // (CUDA refused to map memory between the processes); empty where none do.
+  const std::string& ipc_fallback() const noexcept { return ipc_.fallback(); }
 
   void send(Request& r, int peer, std::uint64_t tag, std::span<const std::byte> bytes) {
     if (r.waiting_in_)
@@ -283,7 +287,7 @@ class CudaStaged {
   // sharing 2 MiB-aligned sizes only); two of this rank's blocks in one of CUDA's would also be
   // opened twice by a peer.
   std::span<std::byte> allocate(std::size_t bytes) {
-    constexpr std::size_t ipc_granule = std::size_t{2} << 20;
+    constexpr std::size_t ipc_granule = detail::CudaIpc<X>::ipc_granule;
     const std::size_t device_bytes =
         ipc_.peers() > 0 ? std::max<std::size_t>(1, (bytes + ipc_granule - 1) / ipc_granule) * ipc_granule : bytes;
     Block b{static_cast<std::byte*>(cuda::allocate_on_device(device_bytes, device_)), nullptr, bytes, false, 0, {}};
