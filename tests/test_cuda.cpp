@@ -21,6 +21,7 @@
 #include "cuda/numeric_kernels.hpp"
 #include "gradsync/compression/error_feedback.hpp"
 #include "gradsync/cuda/codecs.hpp"
+#include "gradsync/cuda/memory.hpp"
 #include "gradsync/detail/convert.hpp"
 #include "gradsync/numeric.hpp"
 #include "support.hpp"
@@ -222,6 +223,39 @@ TEST_SUITE("cuda") {
       CHECK_MESSAGE(std::string(e.what()).find("bucket 4") != std::string::npos, e.what());
     }
     stream.synchronize();  // the report was taken with the first fault's
+  }
+
+  // A trainer's thread may drive several GPUs: a call of the library's for device 1 leaves the
+  // thread's own device (0, in use) current. Needs two devices (the lent machines have one).
+  TEST_CASE("the library's calls leave the caller's current device" * doctest::skip(cuda_device_count() < 2)) {
+    const auto current = [] {
+      int device = -1;
+      REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+      return device;
+    };
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    REQUIRE(cudaFree(nullptr) == cudaSuccess);  // device 0 in use: its context made
+    {
+      cuda::Stream stream(1);
+      CHECK(current() == 0);
+      auto* block = static_cast<std::byte*>(cuda::allocate_on_device(1 << 16, 1));
+      CHECK(current() == 0);
+      cuda::fill_zero(block, 1 << 16, stream);
+      const compression::TwoBit codec;
+      compression::TwoBit::State state;
+      const std::size_t bytes = cuda::encode(codec, state, reinterpret_cast<float*>(block), 1000, block + 8192, stream);
+      cuda::decode(codec, block + 8192, bytes, reinterpret_cast<float*>(block), 1000, DecodeMode::add, stream);
+      CHECK(current() == 0);
+      cuda::Event event;
+      event.record_default_stream(1);
+      event.order_before(stream);
+      stream.synchronize();
+      CHECK(current() == 0);
+      stream.make_current();  // as gradsync's own threads do
+      CHECK(current() == 1);
+      cuda::free_on_device(block, 1);
+    }
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
   }
 
   TEST_CASE("f16 and bf16 conversions give the host's bits on the device" * doctest::skip(no_device)) {

@@ -370,6 +370,7 @@ class Synchronizer {
 
   // The thread's whole life: it marks its exit so that no error is thrown while it may still touch gradients.
   void communicate_then_exit() {
+    if constexpr (DeviceTransport<X>) transport_.cuda_stream().make_current();  // this thread's device
     communicate();
     std::lock_guard lock(mutex_);
     exited_ = true;

@@ -16,6 +16,7 @@
 
 #include "check.hpp"
 #include "kernels.hpp"
+#include "on_device.hpp"
 
 namespace gradsync::cuda {
 
@@ -60,16 +61,14 @@ std::string describe_header(std::uint64_t word) {
 }
 
 // Makes the stream's device current on the calling thread (which may not be the one that made
-// the stream: a Synchronizer's communication thread, say), before kernels are launched there. It
-// also clears an error an earlier runtime call on this thread left behind for its caller, who
-// has had it: a query's cudaErrorNotReady, the caller's own (a trainer's event query) included.
-// Otherwise the launch check that follows (kernels.cu reads the last error) would report it as
-// the launch's. Errors that corrupt the context are sticky and come back at once.
-void use(int device) {
-  cudaGetLastError();
-  check(cudaSetDevice(device), "set device");
-}
-void use(const Stream& stream) { use(stream.device()); }
+// the stream: a Synchronizer's communication thread, say) while kernels are launched there, and
+// the caller's again afterwards (on_device.hpp). It also clears an error an earlier runtime call
+// on this thread left behind for its caller, who has had it: a query's cudaErrorNotReady, the
+// caller's own (a trainer's event query) included. Otherwise the launch check that follows
+// (kernels.cu reads the last error) would report it as the launch's. Errors that corrupt the
+// context are sticky and come back at once.
+detail::OnDevice use(int device) { return detail::OnDevice(device, "set device"); }
+detail::OnDevice use(const Stream& stream) { return use(stream.device()); }
 
 // A packed codec's decode (two-bit, one-bit, terngrad): the host checks the size, and the kernel
 // `launch(header)` starts compares the header on the device; with n = 0 there is no kernel to look
@@ -77,7 +76,7 @@ void use(const Stream& stream) { use(stream.device()); }
 template <class Launch>
 void decode_packed(const std::byte* in, std::size_t bytes, std::size_t n, compression::CodecId id, const char* codec,
                    std::size_t words, Stream& stream, Launch launch) {
-  use(stream);
+  const auto on = use(stream);
   if (n == 0) return check_device_header(in, bytes, id, codec, n, 4, stream);
   check(launch(expected_header(bytes, id, codec, n, 4 + words * 4)), "decode");
 }
@@ -106,8 +105,8 @@ int device_count() {
 
 Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
   impl_->device = device;
+  const detail::OnDevice on(device, "stream");
   try {
-    check(cudaSetDevice(device), "stream");
     check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "stream");
     check(cudaMalloc(&impl_->parameter, sizeof(float)), "stream");
     check(cudaMalloc(&impl_->top_k, sizeof(kernels::TopKScratch)), "stream");
@@ -134,6 +133,9 @@ Stream::~Stream() {
 }
 
 int Stream::device() const noexcept { return impl_->device; }
+void Stream::make_current() const noexcept {
+  if (cudaSetDevice(impl_->device) != cudaSuccess) cudaGetLastError();
+}
 void* Stream::native() const noexcept { return impl_->stream; }
 void Stream::synchronize() {
   check(cudaStreamSynchronize(impl_->stream), "synchronize");
@@ -165,12 +167,12 @@ Event::~Event() {
 }
 
 void Event::record(Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   record_on(stream.native());
 }
 
 void Event::record_default_stream(int device) {
-  use(device);
+  const auto on = use(device);
   record_on(cudaStreamLegacy);
 }
 
@@ -185,7 +187,7 @@ void Event::record_on(void* stream) {
 
 void Event::order_before(Stream& stream) {
   if (!event_) return;
-  use(stream);
+  const auto on = use(stream);
   check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream.native()), static_cast<cudaEvent_t>(event_), 0),
         "wait for event");
 }
@@ -221,6 +223,7 @@ void grow(T*& buffer, std::size_t& capacity, std::size_t needed) {
 void Stream::reserve(std::size_t values) {
   const std::size_t sums = kernels::sum_tree_size(values), tiles = kernels::top_k_tiles(values);
   if (sums <= impl_->sums_capacity && tiles <= impl_->tiles_capacity) return;
+  const auto on = use(*this);  // the scratch is the stream's device's, whichever thread grows it
   check(cudaStreamSynchronize(impl_->stream), "reserve");  // the old scratch may still be in use
   grow(impl_->sums, impl_->sums_capacity, sums);
   grow(impl_->tile_counts, impl_->tiles_capacity, tiles);
@@ -228,19 +231,19 @@ void Stream::reserve(std::size_t values) {
 
 std::size_t encode(const compression::Fp16&, compression::Fp16::State&, const float* in, std::size_t n, std::byte* out,
                    Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   check(kernels::encode_f16(in, n, reinterpret_cast<std::uint16_t*>(out), stream.native()), "encode");
   return n * 2;
 }
 std::size_t encode(const compression::Bf16&, compression::Bf16::State&, const float* in, std::size_t n, std::byte* out,
                    Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   check(kernels::encode_bf16(in, n, reinterpret_cast<std::uint16_t*>(out), stream.native()), "encode");
   return n * 2;
 }
 void decode(const compression::Fp16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   compression::check_encoded_size("fp16", bytes, n, n * 2);
   check(kernels::decode_f16(reinterpret_cast<const std::uint16_t*>(in), n, out, mode == DecodeMode::add,
                             stream.native()),
@@ -248,7 +251,7 @@ void decode(const compression::Fp16&, const std::byte* in, std::size_t bytes, fl
 }
 void decode(const compression::Bf16&, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   compression::check_encoded_size("bf16", bytes, n, n * 2);
   check(kernels::decode_bf16(reinterpret_cast<const std::uint16_t*>(in), n, out, mode == DecodeMode::add,
                              stream.native()),
@@ -257,7 +260,7 @@ void decode(const compression::Bf16&, const std::byte* in, std::size_t bytes, fl
 
 std::size_t encode(const compression::TwoBit& codec, compression::TwoBit::State&, const float* in, std::size_t n,
                    std::byte* out, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   check(kernels::encode_two_bit(in, n, out, header_word(compression::CodecId::two_bit, n), codec.threshold,
                                 stream.native()),
         "encode");
@@ -265,7 +268,7 @@ std::size_t encode(const compression::TwoBit& codec, compression::TwoBit::State&
 }
 std::size_t encode_with_feedback(const compression::TwoBit& codec, compression::TwoBit::State&, const float* in,
                                  float* residual, std::size_t n, std::byte* out, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   check(kernels::encode_two_bit_keeping_error(in, residual, n, out, header_word(compression::CodecId::two_bit, n),
                                               codec.threshold, stream.native()),
         "encode");
@@ -282,7 +285,7 @@ void decode(const compression::TwoBit&, const std::byte* in, std::size_t bytes, 
 
 std::size_t encode(const compression::OneBit&, compression::OneBit::State&, const float* in, std::size_t n,
                    std::byte* out, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   stream.reserve(n);
   check(kernels::encode_one_bit(in, n, out, header_word(compression::CodecId::one_bit, n), stream.impl().sums,
                                 stream.impl().parameter, stream.native()),
@@ -291,7 +294,7 @@ std::size_t encode(const compression::OneBit&, compression::OneBit::State&, cons
 }
 std::size_t encode_with_feedback(const compression::OneBit&, compression::OneBit::State&, const float* in,
                                  float* residual, std::size_t n, std::byte* out, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   stream.reserve(n);
   check(kernels::encode_one_bit_keeping_error(in, residual, n, out, header_word(compression::CodecId::one_bit, n),
                                               stream.impl().sums, stream.impl().parameter, stream.native()),
@@ -310,7 +313,7 @@ void decode(const compression::OneBit&, const std::byte* in, std::size_t bytes, 
 template <unsigned Bits>
 std::size_t encode(const compression::TernGrad<Bits>& codec, typename compression::TernGrad<Bits>::State& state,
                    const float* in, std::size_t n, std::byte* out, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
   check(kernels::encode_terngrad(Bits, in, n, out, header_word(compression::CodecId::terngrad, n), key,
                                  stream.impl().parameter, stream.native()),
@@ -342,7 +345,7 @@ template void decode(const compression::TernGrad<8>&, const std::byte*, std::siz
 
 std::size_t encode(const compression::RandomK& codec, compression::RandomK::State& state, const float* in,
                    std::size_t n, std::byte* out, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   const std::size_t k = codec.keep.of(n);
   const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
   check(kernels::encode_random_k(in, n, k, key, out, header_word(compression::CodecId::random_k, n), stream.native()),
@@ -351,7 +354,7 @@ std::size_t encode(const compression::RandomK& codec, compression::RandomK::Stat
 }
 std::size_t encode_with_feedback(const compression::RandomK& codec, compression::RandomK::State& state,
                                  const float* in, float* residual, std::size_t n, std::byte* out, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   const std::size_t k = codec.keep.of(n);
   const std::uint64_t key = compression::quantize::stream_key(codec.seed, state.encodes++);
   check(kernels::encode_random_k_keeping_error(in, residual, n, k, key, out,
@@ -361,7 +364,7 @@ std::size_t encode_with_feedback(const compression::RandomK& codec, compression:
 }
 void decode(const compression::RandomK& codec, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   const std::size_t k = codec.keep.of(n);
   check_device_header(in, bytes, compression::CodecId::random_k, "random-k", n, 8 + 4 * k, stream);
   check(kernels::decode_random_k(in, n, k, out, mode == DecodeMode::add, stream.native()), "decode");
@@ -379,7 +382,7 @@ void check_top_k_run(std::size_t n, const char* operation) {
 std::size_t encode_top_k(const compression::TopK& codec, const float* in, float* residual, std::size_t n,
                          std::byte* out, Stream& stream) {
   check_top_k_run(n, "encode");
-  use(stream);
+  const auto on = use(stream);
   stream.reserve(n);
   check(kernels::encode_top_k(in, residual, n, codec.keep.of(n), out, header_word(compression::CodecId::top_k, n),
                               stream.impl().top_k, stream.impl().tile_counts, stream.native()),
@@ -400,7 +403,7 @@ std::size_t encode_with_feedback(const compression::TopK& codec, compression::To
 void decode(const compression::TopK& codec, const std::byte* in, std::size_t bytes, float* out, std::size_t n,
             DecodeMode mode, Stream& stream) {
   check_top_k_run(n, "decode");
-  use(stream);
+  const auto on = use(stream);
   const std::size_t k = codec.keep.of(n);
   check(kernels::decode_top_k(in, n, k, out, mode == DecodeMode::add,
                               expected_header(bytes, compression::CodecId::top_k, "top-k", n, 4 + 8 * k),
@@ -409,22 +412,22 @@ void decode(const compression::TopK& codec, const std::byte* in, std::size_t byt
 }
 
 void accumulate(float* residual, const float* in, std::size_t n, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   check(kernels::accumulate(residual, in, n, stream.native()), "accumulate");
 }
 
 void negate(float* values, std::size_t n, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   check(kernels::negate(values, n, stream.native()), "negate");
 }
 
 void divide(float* values, std::size_t n, float divisor, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   check(kernels::divide(values, n, divisor, stream.native()), "average");
 }
 
 void widen(const void* in, DType dtype, float* out, std::size_t n, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   const auto* bits = static_cast<const std::uint16_t*>(in);
   if (dtype == DType::f16) return check(kernels::decode_f16(bits, n, out, false, stream.native()), "widen");
   if (dtype == DType::bf16) return check(kernels::decode_bf16(bits, n, out, false, stream.native()), "widen");
@@ -433,7 +436,7 @@ void widen(const void* in, DType dtype, float* out, std::size_t n, Stream& strea
 }
 
 void narrow(const float* in, DType dtype, void* out, std::size_t n, Stream& stream) {
-  use(stream);
+  const auto on = use(stream);
   auto* bits = static_cast<std::uint16_t*>(out);
   if (dtype == DType::f16) return check(kernels::encode_f16(in, n, bits, stream.native()), "narrow");
   if (dtype == DType::bf16) return check(kernels::encode_bf16(in, n, bits, stream.native()), "narrow");
@@ -443,13 +446,13 @@ void narrow(const float* in, DType dtype, void* out, std::size_t n, Stream& stre
 
 void fill_zero(void* device, std::size_t bytes, Stream& stream) {
   if (bytes == 0) return;
-  use(stream);
+  const auto on = use(stream);
   check(cudaMemsetAsync(device, 0, bytes, static_cast<cudaStream_t>(stream.native())), "fill zero");
 }
 
 void copy(void* to, const void* from, std::size_t bytes, Stream& stream) {
   if (bytes == 0) return;
-  use(stream);
+  const auto on = use(stream);
   check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream.native())), "copy");
 }
 

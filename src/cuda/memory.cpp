@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "check.hpp"
+#include "on_device.hpp"
 #include "gradsync/error.hpp"
 
 namespace gradsync::cuda {
@@ -22,26 +23,30 @@ void check(cudaError_t status, const char* operation, std::size_t bytes, int dev
 
 void copy_to_host(void* host, const void* device, std::size_t bytes, int device_index) {
   if (bytes == 0) return;
-  check(cudaSetDevice(device_index), "copy to host", bytes, device_index);
+  const detail::OnDevice on(device_index, "copy to host");
   check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host", bytes, device_index);
 }
 
 void copy_to_device(void* device, const void* host, std::size_t bytes, int device_index) {
   if (bytes == 0) return;
-  check(cudaSetDevice(device_index), "copy to device", bytes, device_index);
+  const detail::OnDevice on(device_index, "copy to device");
   check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device", bytes, device_index);
 }
 
 void* allocate_on_device(std::size_t bytes, int device_index) {
   void* p = nullptr;
-  check(cudaSetDevice(device_index), "allocate", bytes, device_index);
+  const detail::OnDevice on(device_index, "allocate");
   check(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "allocate", bytes, device_index);
   return p;
 }
 
 void free_on_device(void* p, int device_index) noexcept {
   if (!p) return;
-  if (cudaSetDevice(device_index) != cudaSuccess || cudaFree(p) != cudaSuccess) cudaGetLastError();
+  try {
+    const detail::OnDevice on(device_index, "free");
+    if (cudaFree(p) != cudaSuccess) cudaGetLastError();
+  } catch (const Error&) {  // the device cannot be made current: nothing to free on it
+  }
 }
 
 bool on_device(const void* p, int device_index) {
@@ -77,7 +82,7 @@ DeviceUuid device_uuid(int device_index) {
 IpcHandle ipc_handle(void* block, int device_index) {
   static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(IpcHandle));
   cudaIpcMemHandle_t handle{};
-  check(cudaSetDevice(device_index), "ipc handle", 0, device_index);
+  const detail::OnDevice on(device_index, "ipc handle");
   check(cudaIpcGetMemHandle(&handle, block), "ipc handle", 0, device_index);
   IpcHandle bytes;
   std::memcpy(bytes.data(), &handle, bytes.size());
@@ -88,15 +93,18 @@ void* open_ipc_handle(const IpcHandle& bytes, int device_index) {
   cudaIpcMemHandle_t handle{};
   std::memcpy(&handle, bytes.data(), bytes.size());
   void* mapped = nullptr;
-  check(cudaSetDevice(device_index), "open ipc handle", 0, device_index);
+  const detail::OnDevice on(device_index, "open ipc handle");
   check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess), "open ipc handle", 0, device_index);
   return mapped;
 }
 
 void close_ipc_handle(void* mapped, int device_index) noexcept {
   if (!mapped) return;
-  cudaSetDevice(device_index);
-  if (cudaIpcCloseMemHandle(mapped) != cudaSuccess) cudaGetLastError();
+  try {
+    const detail::OnDevice on(device_index, "close ipc handle");
+    if (cudaIpcCloseMemHandle(mapped) != cudaSuccess) cudaGetLastError();
+  } catch (const Error&) {
+  }
 }
 
 }  // namespace gradsync::cuda

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "cuda/check.hpp"
+#include "cuda/on_device.hpp"
 #include "gradsync/cuda/memory.hpp"
 #include "gradsync/engine/tag.hpp"
 #include "gradsync/launch/environment.hpp"
@@ -75,7 +76,7 @@ class NcclEngine {
     if (device_ >= devices)
       throw Error(ErrorKind::invalid_argument, here("setup"),
                   fmt::format("NcclOptions::device is {}, but this machine has {} CUDA devices", device_, devices));
-    cuda::detail::check(cudaSetDevice(device_), "setup");
+    const cuda::detail::OnDevice on(device_, "setup");  // NCCL's communicator is made for the current device
     stream_.emplace(device_);
     join();
     watches_ = std::vector<Tcp::Request>(static_cast<std::size_t>(size()));
@@ -85,8 +86,11 @@ class NcclEngine {
 
   // Every operation was waited for or failed, so destroying the communicator waits for nothing.
   ~NcclEngine() {
-    cudaSetDevice(device_);
-    if (comm_ && ncclCommDestroy(comm_) != ncclSuccess) ncclCommAbort(comm_);
+    try {
+      const cuda::detail::OnDevice on(device_, "close");
+      if (comm_ && ncclCommDestroy(comm_) != ncclSuccess) ncclCommAbort(comm_);
+    } catch (const Error&) {  // the device cannot be made current: nothing of it is left to close
+    }
     if (allreduce_event_) cudaEventDestroy(allreduce_event_);
   }
 
@@ -192,7 +196,7 @@ class NcclEngine {
 
   std::span<std::byte> allocate(std::size_t bytes) {
     void* p = nullptr;
-    cuda::detail::check(cudaSetDevice(device_), "allocate");
+    const cuda::detail::OnDevice on(device_, "allocate");
     if (const cudaError_t status = cudaMalloc(&p, std::max<std::size_t>(bytes, 1)); status != cudaSuccess)
       throw Error(ErrorKind::internal, here("allocate"),
                   fmt::format("{} bytes on cuda:{}: {}", bytes, device_, cudaGetErrorString(status)));
@@ -200,8 +204,11 @@ class NcclEngine {
   }
 
   void deallocate(std::span<std::byte> block) {
-    cudaSetDevice(device_);
-    cudaFree(block.data());
+    try {
+      const cuda::detail::OnDevice on(device_, "deallocate");
+      if (cudaFree(block.data()) != cudaSuccess) cudaGetLastError();
+    } catch (const Error&) {
+    }
   }
 
   void allreduce(std::span<float> values, std::chrono::steady_clock::time_point deadline) {
@@ -211,7 +218,7 @@ class NcclEngine {
       throw Error(ErrorKind::invalid_argument, here("allreduce"),
                   fmt::format("allreduce of {} values: they must be in memory of cuda:{}", values.size(), device_));
     flush_locked();
-    cuda::detail::check(cudaSetDevice(device_), "allreduce");
+    const cuda::detail::OnDevice on(device_, "allreduce");
     auto s = static_cast<cudaStream_t>(stream_->native());
     nccl(ncclAllReduce(values.data(), values.data(), values.size(), ncclFloat, ncclSum, comm_, s), "allreduce", -1);
     if (!allreduce_event_) cuda::detail::check(cudaEventCreateWithFlags(&allreduce_event_, cudaEventDisableTiming), "allreduce");
@@ -307,7 +314,7 @@ class NcclEngine {
   void flush_locked() {
     if (queued_.empty()) return;
     if (failure_) throw *failure_;
-    cuda::detail::check(cudaSetDevice(device_), "flush");
+    const cuda::detail::OnDevice on(device_, "flush");
     auto s = static_cast<cudaStream_t>(stream_->native());
     ncclResult_t result = ncclGroupStart();
     for (Nccl::Request* r : queued_) {
@@ -384,8 +391,11 @@ class NcclEngine {
 
   void abort_communicator() {
     if (!comm_) return;
-    cudaSetDevice(device_);
-    ncclCommAbort(comm_);
+    try {
+      const cuda::detail::OnDevice on(device_, "abort");
+      ncclCommAbort(comm_);
+    } catch (const Error&) {
+    }
     comm_ = nullptr;
   }
 

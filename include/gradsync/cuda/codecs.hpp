@@ -52,6 +52,11 @@ class Stream {
 
   int device() const noexcept;
   void* native() const noexcept;  // the cudaStream_t
+  // Makes the stream's device current on the calling thread for good. Each call of this file's
+  // makes it current for itself and puts the caller's device back (a trainer's thread may drive
+  // several GPUs); gradsync's own threads call this first, so their calls find it current. Where
+  // CUDA refuses, the thread's next call says why.
+  void make_current() const noexcept;
   void reserve(std::size_t values);  // scratch for runs of up to `values` values
   // Waits for the stream; throws what a decode found wrong since the last one: Error(protocol)
   // naming the bucket that decode was queued for (set_bucket), whichever bucket's work is waited for.

@@ -240,6 +240,7 @@ class TaskGraph final : private transport::CompletionSink {
   // ---- the compute queue -----------------------------------------------------------------------
 
   void compute_loop() {
+    if constexpr (DeviceTransport<X>) transport_.cuda_stream().make_current();  // this thread's device
     std::unique_lock lock(mutex_);
     for (;;) {
       compute_cv_.wait(lock, [&] { return stopping_ || (!failed_ && !compute_ready_.empty()); });
@@ -320,6 +321,7 @@ class TaskGraph final : private transport::CompletionSink {
   // The communication thread: sleeps until there is work (or the oldest pending transfer's
   // deadline), takes it under the lock, does it without, and records the outcome under the lock.
   void communication_loop() {
+    if constexpr (DeviceTransport<X>) transport_.cuda_stream().make_current();  // this thread's device
     std::unique_lock lock(mutex_);
     for (;;) {
       sleep_until_work(lock);
