@@ -6,7 +6,7 @@
 //   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
 //          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server|hierarchical] [--partitions P]
 //          [--servers S] [--dedicated] [--chunk-mib M]
-//          [--executor task-graph|serial] [--compute-threads N] [--selective]
+//          [--executor task-graph|serial] [--compute-threads N] [--spin-before-sleep US] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
 //          [--iters I] [--warmup W] [--size-scale S] [--time-scale T] [--jitter X]
 //          [--drift-at N] [--drift-factor F] [--spin] [--device [--ipc]] [--data gradient|constant] [--json PATH]
@@ -106,6 +106,7 @@ struct Config {
   double chunk_mib = 1;  // the topology's pieces
   std::string executor = "task-graph";
   int compute_threads = 1;
+  int spin_before_sleep_us = 0;  // Options::spin_before_sleep
   bool selective = false;
   gs::Coordination coordination;
   bool device = false;
@@ -224,6 +225,7 @@ gs::Options options_for(const Config& cfg) {
   return {.timeout = std::chrono::minutes(5),
           .executor = cfg.executor == "serial" ? gs::Executor::serial : gs::Executor::task_graph,
           .compute_threads = cfg.compute_threads,
+          .spin_before_sleep = std::chrono::microseconds(cfg.spin_before_sleep_us),
           .selective_compression = cfg.selective,
           .coordination = cfg.coordination};
 }
@@ -379,6 +381,7 @@ int replay(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& tra
                               {"executor", cfg.executor},
                               {"data", cfg.data},
                               {"compute_threads", cfg.compute_threads},
+                              {"spin_before_sleep_us", cfg.spin_before_sleep_us},
                               {"transport", described.transport},
                               {"wire_bytes", last.bytes_sent},
                               {"coordinated", cfg.coordination.enabled},
@@ -405,6 +408,8 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--chunk-mib", cfg.chunk_mib, "the topology's piece size, in MiB", {.low = 0, .low_open = true});
   tk::add_choice(app, "--executor", cfg.executor, "what runs the synchronization's steps", {"task-graph", "serial"});
   tk::add_number(app, "--compute-threads", cfg.compute_threads, "threads of the task graph's compute queue", {.low = 1});
+  tk::add_number(app, "--spin-before-sleep", cfg.spin_before_sleep_us,
+                 "microseconds the task graph's threads poll for work before they sleep", {.low = 0, .high = 10000});
   app.add_flag("--selective", cfg.selective, "compress only the buckets where the ranks measured it to pay");
   app.add_flag("--coordinate", cfg.coordination.enabled, "grant sends in batches, a window of them per link");
   tk::add_number(app, "--window", cfg.coordination.window, "batches in flight per link (--coordinate)", {.low = 1});

@@ -45,6 +45,12 @@ void check(const Options& options, const PolicyAbilities& policies) {
   if (options.coordination.enabled && options.coordination.window < 1)
     throw invalid(fmt::format("coordination window is {}; at least one batch per link must be allowed",
                               options.coordination.window));
+  if (options.spin_before_sleep < std::chrono::microseconds::zero() ||
+      options.spin_before_sleep > std::chrono::milliseconds(10))
+    throw invalid(fmt::format("spin_before_sleep is {} us; it must be between 0 and 10000",
+                              options.spin_before_sleep.count()));
+  if (options.spin_before_sleep.count() > 0 && options.executor != Executor::task_graph)
+    throw invalid("spin_before_sleep is how the task graph's threads wait; the serial executor has none");
   if (options.timeline_events < 1 || options.timeline_events > Timeline::max_capacity)
     throw invalid(fmt::format("timeline_events is {}; it must be between 1 and {}", options.timeline_events,
                               Timeline::max_capacity));

@@ -340,6 +340,10 @@ TEST_SUITE("synchronizer") {
       const auto coordinated = results_of<Sync>(
           n, specs, 3, {.executor = Executor::task_graph, .coordination = {.enabled = true, .window = 1, .batch_bytes = 0}},
           {}, topology);
+      // Threads that poll for work before they sleep (Options::spin_before_sleep).
+      const auto polling = results_of<Sync>(
+          n, specs, 3, {.executor = Executor::task_graph, .spin_before_sleep = std::chrono::microseconds(20)}, {},
+          topology);
       for (std::size_t it = 0; it < serial.size(); ++it)
         for (std::size_t r = 0; r < serial[it].size(); ++r) {
           CAPTURE(it);
@@ -347,6 +351,7 @@ TEST_SUITE("synchronizer") {
           CHECK(same_bits(graph[it][r], serial[it][r]));
           if (static_cast<int>(r) < workers) CHECK(same_bits(graph[it][r], graph[it][0]));
           CHECK(same_bits(coordinated[it][r], serial[it][r]));
+          CHECK(same_bits(polling[it][r], serial[it][r]));
         }
     };
     for (int n : {2, 3, 4, 5}) {
@@ -836,6 +841,12 @@ TEST_SUITE("synchronizer") {
     auto world = InProcess::create_world(2);
     CHECK_THROWS_WITH_AS(PerTensorSync(std::move(world[0]), {.compute_threads = 0}),
                          doctest::Contains("compute_threads is 0"), Error);
+    auto polling = InProcess::create_world(2);
+    CHECK_THROWS_WITH_AS(PerTensorSync(std::move(polling[0]), {.spin_before_sleep = std::chrono::microseconds(-1)}),
+                         doctest::Contains("spin_before_sleep is -1 us"), Error);
+    CHECK_THROWS_WITH_AS(
+        PerTensorSync(std::move(polling[1]), {.executor = Executor::serial, .spin_before_sleep = std::chrono::microseconds(5)}),
+        doctest::Contains("the serial executor has none"), Error);
     using Plain = Synchronizer<bucketing::PerTensor, compression::TwoBit, RingWithoutShape, InProcess>;
     try {
       Plain sync(std::move(world[1]), {.selective_compression = true});

@@ -42,6 +42,11 @@ struct Options {
   Executor executor = Executor::task_graph;
   // Threads serving the task graph's compute queue. Results do not depend on it.
   int compute_threads = 1;
+  // How long the task graph's threads, out of work, poll for more before they sleep (0: at once;
+  // at most 10 ms). Waking a sleeping thread takes tens of microseconds, once per piece and ring
+  // step; where a piece's work takes less (a GPU shared under MPS) polling may pay, for the
+  // cores the threads hold while they poll. Results do not depend on it.
+  std::chrono::microseconds spin_before_sleep{0};
   // Selective compression (engine/cost_model.hpp): at the first synchronization the ranks time
   // encode, decode and a transfer to their ring neighbour (a few hundred ms), agree on the
   // slowest rank's costs, and from then on every bucket is sent compressed only where that is

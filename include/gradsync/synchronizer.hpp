@@ -591,7 +591,7 @@ void Synchronizer<B, C, T, X>::freeze() {
                                                     task_graph_failed_ = true;
                                                     work_cv_.notify_all();
                                                   }},
-          options_.coordination);
+          options_.coordination, options_.spin_before_sleep);
     install(bucketing_.initial_plan(gradients_.layout()));
     thread_ = std::thread([this] { communicate_then_exit(); });
     started_.store(true, std::memory_order_release);

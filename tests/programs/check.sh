@@ -239,6 +239,8 @@ case $name in
     refuses --chunk-mib --trace "$trace" --chunk-mib nan
     refuses --partitions --trace "$trace" --partitions -1
     refuses --compute-threads --trace "$trace" --compute-threads 0
+    refuses --spin-before-sleep --trace "$trace" --spin-before-sleep -1
+    refuses --spin-before-sleep --trace "$trace" --spin-before-sleep 10001
     refuses --window --trace "$trace" --window 0
     refuses --batch-kib --trace "$trace" --batch-kib 4x
     refuses --batch-kib --trace "$trace" --batch-kib 0
@@ -251,8 +253,9 @@ case $name in
     odd=$work/'odd "name" \ tab	.trace'
     cp "$trace" "$odd"
     succeeds --trace "$odd" --iters 1 --warmup 1 --time-scale 0 --size-scale 0.01 --bucketing fixed-size --cap-mib 0.5 \
-      --json "$work/replay.json"
-    valid_json "$work/replay.json" 'd["trace"].endswith("odd \"name\" \\ tab\t.trace") and len(d["samples"]) == 1'
+      --spin-before-sleep 20 --json "$work/replay.json"
+    valid_json "$work/replay.json" \
+      'd["trace"].endswith("odd \"name\" \\ tab\t.trace") and len(d["samples"]) == 1 and d["spin_before_sleep_us"] == 20'
     ;;
   scale_model)
     results=$traces/../results

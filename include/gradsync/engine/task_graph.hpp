@@ -32,6 +32,7 @@
 // Synchronizer aborts the transport on failure, which settles them all.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -56,9 +57,10 @@ class TaskGraph final : private transport::CompletionSink {
     std::function<void()> failed;  // once, when a task fails; called under the task graph's lock: keep it short
   };
 
+  // `spin`: how long a thread that runs out of work polls for more before it sleeps (Options::spin_before_sleep).
   TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
-            Hooks hooks, Coordination coordination = {})
-      : transport_(transport), codec_(codec), group_(group), timeout_(timeout), hooks_(std::move(hooks)) {
+            Hooks hooks, Coordination coordination = {}, std::chrono::microseconds spin = {})
+      : transport_(transport), codec_(codec), group_(group), timeout_(timeout), spin_(spin), hooks_(std::move(hooks)) {
     if (coordination.enabled && group.size() > 1)
       channel_.emplace(transport, group, coordination, static_cast<transport::CompletionSink*>(this),
                        task_id(control_job, 0));
@@ -75,9 +77,8 @@ class TaskGraph final : private transport::CompletionSink {
     {
       std::lock_guard lock(mutex_);
       stopping_ = true;
+      wake_all();
     }
-    compute_cv_.notify_all();
-    communication_cv_.notify_all();
     for (auto& worker : workers_) worker.join();
     communication_.join();
     channel_.reset();  // withdraws its standing receives, which may still report here
@@ -106,7 +107,7 @@ class TaskGraph final : private transport::CompletionSink {
           if (step.op == Step::Op::recv) ++receives_;
         }
       announce_ = true;
-      communication_cv_.notify_one();
+      wake(communication_cv_);
     }
     compute_ready_.reserve(steps);
     communication_ready_.reserve(transfers);
@@ -192,14 +193,14 @@ class TaskGraph final : private transport::CompletionSink {
     if (step < job.steps() && is_transfer(job.exchange->schedule().steps[step].op)) {
       communication_ready_.push_back(task);
       std::push_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
-      communication_cv_.notify_one();
+      wake(communication_cv_);
     } else if (step < job.steps() && job.exchange->added_on_receive(step)) {
       done(task);  // an add its receive already did: handing it to a compute thread would only delay what follows
     } else {
       job.ready_at[step] = Clock::now();
       compute_ready_.push_back(task);
       std::push_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
-      compute_cv_.notify_one();
+      wake(compute_cv_);
     }
   }
 
@@ -212,7 +213,7 @@ class TaskGraph final : private transport::CompletionSink {
       if (--running_buckets_ == 0) done_cv_.notify_all();
       if (channel_ && ++buckets_done_ == jobs_.size()) {
         report_finished_ = true;
-        communication_cv_.notify_one();
+        wake(communication_cv_);
       }
       return;
     }
@@ -226,10 +227,35 @@ class TaskGraph final : private transport::CompletionSink {
     if (failed_) return;
     failed_ = true;
     error_ = std::move(e);
-    compute_cv_.notify_all();
-    communication_cv_.notify_all();
+    wake_all();
     done_cv_.notify_all();
     if (hooks_.failed) hooks_.failed();
+  }
+
+  // With the lock held: there is work for the threads waiting on `cv` (or all of them).
+  void wake(std::condition_variable& cv) {
+    posted_work_.fetch_add(1, std::memory_order_release);
+    cv.notify_one();
+  }
+  void wake_all() {
+    posted_work_.fetch_add(1, std::memory_order_release);
+    compute_cv_.notify_all();
+    communication_cv_.notify_all();
+  }
+
+  // With the lock held, before a thread sleeps for want of work: polls for up to spin_ with the
+  // lock released, and returns whether `has_work` holds then. Waking a sleeping thread costs tens
+  // of microseconds (a condition variable's futex), more than a piece's work on a GPU under MPS
+  // (bench/README.md, "The hand-offs"); a thread that is still polling sees new work at once.
+  template <class HasWork>
+  bool spin_for_work(std::unique_lock<std::mutex>& lock, HasWork has_work) {
+    if (has_work() || spin_.count() == 0) return has_work();
+    const std::uint64_t seen = posted_work_.load(std::memory_order_acquire);
+    lock.unlock();
+    const auto until = Clock::now() + spin_;
+    while (posted_work_.load(std::memory_order_acquire) == seen && Clock::now() < until) std::this_thread::yield();
+    lock.lock();
+    return has_work();
   }
 
   bool quiet_after_failure() const { return failed_ && running_compute_ == 0 && !communicating_; }
@@ -243,7 +269,8 @@ class TaskGraph final : private transport::CompletionSink {
     if constexpr (DeviceTransport<X>) transport_.cuda_stream().make_current();  // this thread's device
     std::unique_lock lock(mutex_);
     for (;;) {
-      compute_cv_.wait(lock, [&] { return stopping_ || (!failed_ && !compute_ready_.empty()); });
+      const auto has_work = [&] { return stopping_ || (!failed_ && !compute_ready_.empty()); };
+      if (!spin_for_work(lock, has_work)) compute_cv_.wait(lock, has_work);
       if (stopping_) return;
       std::pop_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
       const std::uint64_t task = compute_ready_.back();
@@ -305,7 +332,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::lock_guard lock(mutex_);
     if (failed_ || completions_.size() == completions_.capacity()) return;
     completions_.push_back(task);
-    communication_cv_.notify_one();
+    wake(communication_cv_);
   }
 
   // What one pass of the communication thread takes on, decided under the lock.
@@ -358,6 +385,7 @@ class TaskGraph final : private transport::CompletionSink {
       return stopping_ ||
              (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
     };
+    if (spin_for_work(lock, has_work)) return;
     // A transport holding sends back (DeferredSender) is looked at again soon: nothing else
     // would wake this thread when they can go.
     const auto soon = Clock::now() + deferred_poll;
@@ -544,12 +572,16 @@ class TaskGraph final : private transport::CompletionSink {
   const C& codec_;
   const Group& group_;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_;
   Hooks hooks_;
 
   std::mutex mutex_;
   std::condition_variable compute_cv_;
   std::condition_variable communication_cv_;
   std::condition_variable done_cv_;
+  // Bumped, with the lock held, whenever work is added for either kind of thread (wake()): what
+  // a spinning thread watches without the lock.
+  std::atomic<std::uint64_t> posted_work_{0};
   std::vector<Job> jobs_;
   std::vector<std::uint64_t> compute_ready_;        // min-heap: oldest bucket, then schedule order
   std::vector<std::uint64_t> communication_ready_;  // min-heap, likewise

@@ -16,7 +16,9 @@ for folder in sys.argv[1:] or (here, os.path.join(here, "..", "device-check-h100
         runs.setdefault(key, []).append((int(m.group(4)), d["iteration_ms"], d["cpu_user_ms"] + d["cpu_system_ms"]))
 labels = {"host-serial": "CPU codecs, serial", "host-task-graph": "CPU codecs, task graph",
           "device-serial": "GPU, host mirrors, serial", "device-task-graph": "GPU, host mirrors, task graph",
-          "ipc-serial": "GPU, CUDA IPC, serial", "ipc-task-graph": "GPU, CUDA IPC, task graph"}
+          "ipc-serial": "GPU, CUDA IPC, serial", "ipc-task-graph": "GPU, CUDA IPC, task graph",
+          "device-task-graph-spin": "GPU, host mirrors, task graph polling 100 us",
+          "ipc-task-graph-spin": "GPU, CUDA IPC, task graph polling 100 us"}
 for folder, setting in sorted({k[:2] for k in runs}):
     print(f"\n{folder}: {setting}\n")
     print("| pieces | codecs, path, executor | ms per synchronization, rounds 1-2 | mean | CPU (ms), rounds 1-2 | vs serial (means) |")
@@ -27,7 +29,7 @@ for folder, setting in sorted({k[:2] for k in runs}):
             if not rs:
                 continue
             med = statistics.mean(r[1] for r in rs)
-            serial = runs.get((folder, setting, chunk, config.replace("task-graph", "serial")))
+            serial = runs.get((folder, setting, chunk, re.sub(r"task-graph.*", "serial", config)))
             ratio = f"{statistics.mean(r[1] for r in serial) / med:.2f}x" if "task-graph" in config and serial else ""
             print(f"| {chunk} MiB | {labels[config]} | {', '.join(f'{r[1]:.1f}' for r in rs)} | {med:.1f} | "
                   f"{', '.join(f'{r[2]:.1f}' for r in rs)} | {ratio} |")
