@@ -243,16 +243,18 @@ class TaskGraph final : private transport::CompletionSink {
     communication_cv_.notify_all();
   }
 
-  // With the lock held, before a thread sleeps for want of work: polls for up to spin_ with the
-  // lock released, and returns whether `has_work` holds then. Waking a sleeping thread costs tens
-  // of microseconds (a condition variable's futex), more than a piece's work on a GPU under MPS
-  // (bench/README.md, "The hand-offs"); a thread that is still polling sees new work at once.
+  // With the lock held, before a thread sleeps for want of work: polls for up to spin_ (and not
+  // past `limit`) with the lock released, and returns whether `has_work` holds then. Waking a
+  // sleeping thread costs tens of microseconds (a condition variable's futex), more than a
+  // piece's work on a GPU under MPS (bench/README.md, "The hand-offs"); a thread that is still
+  // polling sees new work at once.
   template <class HasWork>
-  bool spin_for_work(std::unique_lock<std::mutex>& lock, HasWork has_work) {
+  bool spin_for_work(std::unique_lock<std::mutex>& lock, HasWork has_work,
+                     Clock::time_point limit = Clock::time_point::max()) {
     if (has_work() || spin_.count() == 0) return has_work();
     const std::uint64_t seen = posted_work_.load(std::memory_order_acquire);
     lock.unlock();
-    const auto until = Clock::now() + spin_;
+    const auto until = std::min(Clock::now() + spin_, limit);
     while (posted_work_.load(std::memory_order_acquire) == seen && Clock::now() < until) std::this_thread::yield();
     lock.lock();
     return has_work();
@@ -385,10 +387,10 @@ class TaskGraph final : private transport::CompletionSink {
       return stopping_ ||
              (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
     };
-    if (spin_for_work(lock, has_work)) return;
     // A transport holding sends back (DeferredSender) is looked at again soon: nothing else
-    // would wake this thread when they can go.
+    // would wake this thread when they can go. Polling for work ends then too.
     const auto soon = Clock::now() + deferred_poll;
+    if (spin_for_work(lock, has_work, holding_back_ ? soon : Clock::time_point::max())) return;
     if (!failed_ && oldest_pending())
       communication_cv_.wait_until(lock, holding_back_ ? std::min(soon, posted_[posted_head_].deadline)
                                                        : posted_[posted_head_].deadline,
