@@ -173,9 +173,8 @@ void DeviceMlp::forward_loss(const float* x, const std::uint8_t* labels, std::si
   check_launch("softmax_cross_entropy");
 }
 
-// dW = X^T D, db = the column sums of D; then D W^T into the layer below's deltas, zeroed where
-// its ReLU was flat.
-void DeviceMlp::backward(std::size_t l, std::size_t batch) {
+// dW = X^T D, db = the column sums of D.
+void DeviceMlp::gradients(std::size_t l, std::size_t batch) {
   const Layer& L = layers_[l];
   const float one = 1, zero = 0;
   const float* input = l == 0 ? input_ : activations_[l - 1];
@@ -185,7 +184,15 @@ void DeviceMlp::backward(std::size_t l, std::size_t batch) {
         "weight gradient product");
   column_sums<<<blocks(L.out), block>>>(deltas_[l], L.gb, batch, L.out);
   check_launch("column_sums");
+}
+
+// D W^T into the layer below's deltas, zeroed where its ReLU was flat (nothing below layer 0).
+// Reads the weights and deltas only, not the gradients the exchange may be averaging in place.
+void DeviceMlp::propagate(std::size_t l, std::size_t batch) {
   if (l == 0) return;
+  const Layer& L = layers_[l];
+  const float one = 1, zero = 0;
+  const auto in = static_cast<int>(L.in), out = static_cast<int>(L.out), rows = static_cast<int>(batch);
   check(cublasSgemm(blas(blas_), CUBLAS_OP_T, CUBLAS_OP_N, in, rows, out, &one, L.w, out, deltas_[l], out, &zero,
                     deltas_[l - 1], in),
         "input gradient product");

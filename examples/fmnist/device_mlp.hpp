@@ -40,8 +40,9 @@ class DeviceMlp {
   float train_step(const float* x, const std::uint8_t* labels, std::size_t batch, OnLayerReady&& layer_ready) {
     forward_loss(x, labels, batch);
     for (std::size_t l = layers_.size(); l-- > 0;) {
-      backward(l, batch);
-      layer_ready(l);
+      gradients(l, batch);
+      layer_ready(l);  // the mark the exchange follows: the products for the layer below come after it
+      propagate(l, batch);
     }
     return mean_loss(batch);
   }
@@ -62,7 +63,8 @@ class DeviceMlp {
   void reserve(std::size_t batch);
   void forward(std::size_t batch);  // from input_
   void forward_loss(const float* x, const std::uint8_t* labels, std::size_t batch);
-  void backward(std::size_t l, std::size_t batch);
+  void gradients(std::size_t l, std::size_t batch);  // layer l's weight and bias gradients
+  void propagate(std::size_t l, std::size_t batch);  // its deltas into the layer below's
   float mean_loss(std::size_t batch);
 
   int device_;
