@@ -9,6 +9,7 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -123,6 +124,11 @@ Stream::Stream(int device) : impl_(std::make_unique<Impl>()) {
 }
 
 Stream::~Stream() {
+  std::optional<detail::OnDevice> on;  // not a device this thread never used (on_device.hpp)
+  try {
+    on.emplace(impl_->device, "stream");
+  } catch (const Error&) {
+  }
   cudaStreamSynchronize(impl_->stream);
   cudaFree(impl_->sums);
   cudaFree(impl_->tile_counts);

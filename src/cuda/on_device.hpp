@@ -4,11 +4,14 @@
 // drive several GPUs (a Synchronizer each), and a ready() that left another device current would
 // send the trainer's next kernels there. Private to the library.
 //
-// A device is put back only where the thread had used it (its primary context is active): a thread
-// that never set one reads device 0, and since CUDA 12 setting a device creates its context, which
-// would take hundreds of MiB of a GPU the process may never use. gradsync's own threads make their
-// transport's device current once, at their start (make_current, memory.hpp), so their calls find
-// it current and change nothing.
+// A device is put back only where it is in use (its primary context is active; the driver says
+// so for the process, not per thread): a thread that never set one reads device 0, and since
+// CUDA 12 setting a device creates its context, which would take hundreds of MiB of a GPU the
+// process may never use. A caller's own (non-primary) context comes back as that device's primary
+// one. The driver is asked through cudaGetDriverEntryPointByVersion (CUDA 12.5 and later); where
+// it cannot say, the caller's device is put back. gradsync's own threads make their transport's
+// device current once, at their start (cuda::Stream::make_current), so their calls find it
+// current and change nothing.
 
 namespace gradsync::cuda::detail {
 

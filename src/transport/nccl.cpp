@@ -131,7 +131,8 @@ class NcclEngine {
       throw Error(ErrorKind::invalid_argument, here(operation, peer),
                   fmt::format("a message of {} bytes by NCCL must be in memory of cuda:{}, and this is not", bytes,
                               device_));
-    if (!r.event_) {
+    if (!r.event_) {  // an event belongs to the device current when it is made: the stream's
+      const cuda::detail::OnDevice on(device_, operation);
       cudaEvent_t event;
       cuda::detail::check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), operation);
       r.event_ = event;

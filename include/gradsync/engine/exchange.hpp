@@ -369,6 +369,9 @@ class BucketExchange {
     const Step& step = schedule_.steps[index];
     if constexpr (std::is_same_v<T, float> && has_device_codec<C>()) {
       cuda::Stream& stream = *device_stream_;
+      // A decode's fault (error feedback's encodes decode too) is found at some later
+      // synchronize(), maybe for another bucket's work: it names this one.
+      stream.set_bucket(bucket_);
       const auto range = values.subspan(step.range.begin, step.range.size());
       const std::size_t n = range.size();
       if (step.op == Step::Op::average)
@@ -390,7 +393,6 @@ class BucketExchange {
       }
       const bool add = step.op == Step::Op::decode_add;
       const std::size_t bytes = slot_bytes_[step.slot];
-      stream.set_bucket(bucket_);  // found at some later synchronize(), maybe another bucket's
       if (raw) {
         if (bytes != range.size_bytes())
           throw Error(ErrorKind::protocol, {.operation = "recv"},

@@ -107,7 +107,7 @@ class TaskGraph final : private transport::CompletionSink {
           if (step.op == Step::Op::recv) ++receives_;
         }
       announce_ = true;
-      wake(communication_cv_);
+      wake_communication();
     }
     compute_ready_.reserve(steps);
     communication_ready_.reserve(transfers);
@@ -193,14 +193,14 @@ class TaskGraph final : private transport::CompletionSink {
     if (step < job.steps() && is_transfer(job.exchange->schedule().steps[step].op)) {
       communication_ready_.push_back(task);
       std::push_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
-      wake(communication_cv_);
+      wake_communication();
     } else if (step < job.steps() && job.exchange->added_on_receive(step)) {
       done(task);  // an add its receive already did: handing it to a compute thread would only delay what follows
     } else {
       job.ready_at[step] = Clock::now();
       compute_ready_.push_back(task);
       std::push_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
-      wake(compute_cv_);
+      wake_compute();
     }
   }
 
@@ -213,7 +213,7 @@ class TaskGraph final : private transport::CompletionSink {
       if (--running_buckets_ == 0) done_cv_.notify_all();
       if (channel_ && ++buckets_done_ == jobs_.size()) {
         report_finished_ = true;
-        wake(communication_cv_);
+        wake_communication();
       }
       return;
     }
@@ -232,32 +232,41 @@ class TaskGraph final : private transport::CompletionSink {
     if (hooks_.failed) hooks_.failed();
   }
 
-  // With the lock held: there is work for the threads waiting on `cv` (or all of them).
-  void wake(std::condition_variable& cv) {
-    posted_work_.fetch_add(1, std::memory_order_release);
-    cv.notify_one();
+  // With the lock held: there is work for a compute thread, for the communication thread, or
+  // for every thread (a failure, the end).
+  void wake_compute() {
+    compute_posted_.fetch_add(1, std::memory_order_release);
+    compute_cv_.notify_one();
+  }
+  void wake_communication() {
+    communication_posted_.fetch_add(1, std::memory_order_release);
+    communication_cv_.notify_one();
   }
   void wake_all() {
-    posted_work_.fetch_add(1, std::memory_order_release);
+    compute_posted_.fetch_add(1, std::memory_order_release);
+    communication_posted_.fetch_add(1, std::memory_order_release);
     compute_cv_.notify_all();
     communication_cv_.notify_all();
   }
 
-  // With the lock held, before a thread sleeps for want of work: polls for up to spin_ (and not
-  // past `limit`) with the lock released, and returns whether `has_work` holds then. Waking a
-  // sleeping thread costs tens of microseconds (a condition variable's futex), more than a
-  // piece's work on a GPU under MPS (bench/README.md, "The hand-offs"); a thread that is still
-  // polling sees new work at once.
+  // With the lock held, before a thread sleeps for want of work: polls its queue's counter
+  // (`posted`) for up to spin_, and not past `limit`, with the lock released; returns whether
+  // `has_work` holds then. Waking a sleeping thread costs tens of microseconds (a condition
+  // variable's futex), more than a piece's work on a GPU under MPS (bench/README.md, "The
+  // hand-offs"); a thread that is still polling sees new work at once. Work another thread took
+  // first does not end the polling.
   template <class HasWork>
-  bool spin_for_work(std::unique_lock<std::mutex>& lock, HasWork has_work,
+  bool spin_for_work(std::unique_lock<std::mutex>& lock, const std::atomic<std::uint64_t>& posted, HasWork has_work,
                      Clock::time_point limit = Clock::time_point::max()) {
     if (has_work() || spin_.count() == 0) return has_work();
-    const std::uint64_t seen = posted_work_.load(std::memory_order_acquire);
-    lock.unlock();
     const auto until = std::min(Clock::now() + spin_, limit);
-    while (posted_work_.load(std::memory_order_acquire) == seen && Clock::now() < until) std::this_thread::yield();
-    lock.lock();
-    return has_work();
+    for (;;) {
+      const std::uint64_t seen = posted.load(std::memory_order_acquire);
+      lock.unlock();
+      while (posted.load(std::memory_order_acquire) == seen && Clock::now() < until) std::this_thread::yield();
+      lock.lock();
+      if (has_work() || Clock::now() >= until) return has_work();
+    }
   }
 
   bool quiet_after_failure() const { return failed_ && running_compute_ == 0 && !communicating_; }
@@ -272,7 +281,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::unique_lock lock(mutex_);
     for (;;) {
       const auto has_work = [&] { return stopping_ || (!failed_ && !compute_ready_.empty()); };
-      if (!spin_for_work(lock, has_work)) compute_cv_.wait(lock, has_work);
+      if (!spin_for_work(lock, compute_posted_, has_work)) compute_cv_.wait(lock, has_work);
       if (stopping_) return;
       std::pop_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
       const std::uint64_t task = compute_ready_.back();
@@ -334,7 +343,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::lock_guard lock(mutex_);
     if (failed_ || completions_.size() == completions_.capacity()) return;
     completions_.push_back(task);
-    wake(communication_cv_);
+    wake_communication();
   }
 
   // What one pass of the communication thread takes on, decided under the lock.
@@ -388,9 +397,13 @@ class TaskGraph final : private transport::CompletionSink {
              (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
     };
     // A transport holding sends back (DeferredSender) is looked at again soon: nothing else
-    // would wake this thread when they can go. Polling for work ends then too.
+    // would wake this thread when they can go. Polling for work ends then too, and by the oldest
+    // pending transfer's deadline.
     const auto soon = Clock::now() + deferred_poll;
-    if (spin_for_work(lock, has_work, holding_back_ ? soon : Clock::time_point::max())) return;
+    const Clock::time_point poll_until = std::min(holding_back_ ? soon : Clock::time_point::max(),
+                                                  !failed_ && oldest_pending() ? posted_[posted_head_].deadline
+                                                                               : Clock::time_point::max());
+    if (spin_for_work(lock, communication_posted_, has_work, poll_until)) return;
     if (!failed_ && oldest_pending())
       communication_cv_.wait_until(lock, holding_back_ ? std::min(soon, posted_[posted_head_].deadline)
                                                        : posted_[posted_head_].deadline,
@@ -581,9 +594,10 @@ class TaskGraph final : private transport::CompletionSink {
   std::condition_variable compute_cv_;
   std::condition_variable communication_cv_;
   std::condition_variable done_cv_;
-  // Bumped, with the lock held, whenever work is added for either kind of thread (wake()): what
-  // a spinning thread watches without the lock.
-  std::atomic<std::uint64_t> posted_work_{0};
+  // Bumped, with the lock held, whenever work is added for that kind of thread (wake_compute(),
+  // wake_communication()): what a polling thread watches without the lock.
+  std::atomic<std::uint64_t> compute_posted_{0};
+  std::atomic<std::uint64_t> communication_posted_{0};
   std::vector<Job> jobs_;
   std::vector<std::uint64_t> compute_ready_;        // min-heap: oldest bucket, then schedule order
   std::vector<std::uint64_t> communication_ready_;  // min-heap, likewise

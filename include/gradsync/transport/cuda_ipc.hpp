@@ -82,6 +82,8 @@ struct IpcIdentity {
   cuda::DeviceUuid device{};
   std::int64_t pid = 0;
   std::uint64_t nonce = 0;
+  std::uint32_t probe_offered = 0;  // CUDA exported the probe block: `probe` is its handle
+  std::uint32_t reserved = 0;
   cuda::IpcHandle probe{};
 };
 
@@ -133,14 +135,20 @@ class CudaIpc {
     const int rank = x.rank(), size = x.size();
     const auto n = static_cast<std::size_t>(size);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
-    // Left allocated if setup fails: a peer may have it mapped.
-    void* probe = cuda::allocate_on_device(ipc_granule, device);
     IpcIdentity mine{.device = cuda::device_uuid(device), .pid = ::getpid(), .nonce = process_nonce()};
+    // Left allocated if setup fails once peers have its handle: one may have it mapped. Where
+    // CUDA will not export this rank's memory at all, no peer gets a probe, and all go through
+    // host mirrors.
+    std::string refusal;  // the first CUDA error: exporting this rank's memory, or mapping a peer's
+    void* probe = nullptr;
     try {
+      probe = cuda::allocate_on_device(ipc_granule, device);
       mine.probe = cuda::ipc_handle(probe, device);
-    } catch (...) {
+      mine.probe_offered = 1;
+    } catch (const Error& e) {
       cuda::free_on_device(probe, device);
-      throw;
+      probe = nullptr;
+      refusal = fmt::format("exporting this rank's memory: {}", e.detail());
     }
     std::vector<IpcIdentity> theirs(n), told(n, mine);
     for (int peer = 0; peer < size; ++peer) told[peer].passes_unmatched = peer != rank && passes_unmatched(x, peer);
@@ -154,9 +162,8 @@ class CudaIpc {
              told[p].passes_unmatched;
     };
     std::vector<IpcProbeAnswer> mapped(n), answers(n);
-    std::string refusal;  // the first CUDA error mapping a peer's probe
     for (int peer = 0; peer < size; ++peer) {
-      if (!shares_gpu(peer)) continue;
+      if (!shares_gpu(peer) || !theirs[peer].probe_offered) continue;
       try {
         cuda::close_ipc_handle(cuda::open_ipc_handle(theirs[peer].probe, device), device);
         mapped[peer].mapped = 1;
@@ -178,7 +185,8 @@ class CudaIpc {
                                 : fmt::format("CUDA IPC refused with rank(s) {} on this GPU, reached through host "
                                               "mirrors instead: {}",
                                               fmt::join(refused, ", "),
-                                              refusal.empty() ? "they could not map this rank's memory" : refusal);
+                                              refusal.empty() ? "they could not map this rank's memory, or export theirs"
+                                                              : refusal);
     inboxes_.clear();
     inboxes_.resize(n);
     notices_sent_.assign(n, 0);
