@@ -400,10 +400,12 @@ class TaskGraph final : private transport::CompletionSink {
     // would wake this thread when they can go. Polling for work ends then too, and by the oldest
     // pending transfer's deadline.
     const auto soon = Clock::now() + deferred_poll;
-    const Clock::time_point poll_until = std::min(holding_back_ ? soon : Clock::time_point::max(),
-                                                  !failed_ && oldest_pending() ? posted_[posted_head_].deadline
-                                                                               : Clock::time_point::max());
-    if (spin_for_work(lock, communication_posted_, has_work, poll_until)) return;
+    if (spin_.count() > 0) {
+      const Clock::time_point poll_until = std::min(holding_back_ ? soon : Clock::time_point::max(),
+                                                    !failed_ && oldest_pending() ? posted_[posted_head_].deadline
+                                                                                 : Clock::time_point::max());
+      if (spin_for_work(lock, communication_posted_, has_work, poll_until)) return;
+    }
     if (!failed_ && oldest_pending())
       communication_cv_.wait_until(lock, holding_back_ ? std::min(soon, posted_[posted_head_].deadline)
                                                        : posted_[posted_head_].deadline,

@@ -380,7 +380,8 @@ class CudaIpc {
       for (int p = 0; p < size; ++p)
         if (with(p)) withdraw(x, receives[p]), withdraw(x, sends[p]);
       throw Error(e.kind(), {.rank = x.rank(), .peer = peer, .operation = "cuda ipc setup"},
-                  fmt::format("{} (CudaStaged's ipc option must be on for every rank alike)", e.detail()));
+                  fmt::format("{} (every rank must set CudaStaged's ipc option alike and run the same gradsync)",
+                              e.detail()));
     }
   }
 
