@@ -434,7 +434,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       coordination.barrier();
       const auto start = Clock::now();
       if (graph) {
-        graph->start(0, std::span<float>(values), iteration++);
+        graph->start(0, std::span<float>(values), iteration++, /*awaits_next=*/true);
         graph->await_iteration();
       } else {
         exchange.run(std::span<float>(values), codec, transport, {group, iteration++, 0, std::chrono::minutes(2)});

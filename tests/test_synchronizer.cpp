@@ -909,12 +909,14 @@ TEST_SUITE("synchronizer") {
   }
 
   TEST_CASE_TEMPLATE("the per-step path allocates nothing", Topology, topology::Ring, topology::ParameterServer,
-                     topology::Hierarchical) {
+                     topology::Hierarchical, topology::RecursiveDoubling, topology::HalvingDoubling, topology::Auto<>) {
     const std::vector<Spec> specs{{"w1", 3000, DType::f32}, {"b1", 30, DType::f32}, {"w2", 500, DType::f16},
                                   {"b2", 7, DType::bf16},   {"h", 40, DType::f64}};
     constexpr int n = 4;
-    Topology pieces_of_100{.chunk_elements = 100};
+    Topology pieces_of_100{};
+    if constexpr (requires { pieces_of_100.chunk_elements; }) pieces_of_100.chunk_elements = 100;
     if constexpr (std::same_as<Topology, topology::Hierarchical>) pieces_of_100.ranks_per_machine = 2;  // 2 machines of 2
+    if constexpr (std::same_as<Topology, topology::Auto<>>) pieces_of_100.large.chunk_elements = 100;
     // With a timeline too: recording an event must not allocate either (timeline.hpp).
     const auto trace = std::filesystem::temp_directory_path() / "gradsync-allocation-test.json";
     for (const auto& [coordinated, traced] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true}}) {

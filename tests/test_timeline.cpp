@@ -15,9 +15,12 @@
 #include <nlohmann/json.hpp>
 
 #include "gradsync/gradsync.hpp"
+#include "gradsync/transport/tcp.hpp"
+#include "processes.hpp"
 #include "support.hpp"
 
 using namespace gradsync;
+using namespace std::chrono_literals;
 using transport::InProcess;
 
 namespace {
@@ -159,6 +162,56 @@ TEST_SUITE("timeline") {
       CHECK(count["decode"] > 0);
     }
     std::filesystem::remove_all(dir);
+  }
+
+  // The short path (engine/task_graph.hpp): a bucket of small pieces goes from start to end without
+  // a compute thread, its frames read by the thread holding the communication role; a bucket of
+  // large pieces still hands its adds to the compute threads. Counted from the trace, as a user
+  // would read it: the trainer -> Synchronizer hand-off and wait()'s are there every iteration;
+  // the rest (the first send, a frame the io thread had begun) vary with how the threads raced.
+  TEST_CASE("hand-offs per bucket, read from the trace: none to a compute thread for a small bucket") {
+    constexpr int iterations = 4;
+    for (const std::size_t values : {std::size_t{1024}, std::size_t{1} << 18}) {
+      CAPTURE(values);
+      const auto dir = fresh_directory();
+      const std::string path = (dir / "trace.json").string();
+      const std::uint16_t port = test::free_port();
+      const auto results = test::run_processes(2, [&](int rank) -> std::string {
+        transport::TcpOptions o{.rank = rank, .world_size = 2, .master_port = port, .token = "handoffs"};
+        Synchronizer<bucketing::PerTensor, compression::None, topology::RecursiveDoubling, transport::Tcp> sync(
+            transport::Tcp(o), {.timeout = 30s, .timeline = path});
+        std::vector<float> gradient = test::random_values(values, 3u + static_cast<unsigned>(rank));
+        sync.add("g", view(gradient));
+        for (int i = 0; i < iterations; ++i) {
+          sync.ready(0);
+          sync.wait();
+        }
+        return "ok";
+      });
+      for (const auto& r : results) REQUIRE_MESSAGE(r.ok(), r.report);
+      for (int rank = 0; rank < 2; ++rank) {
+        CAPTURE(rank);
+        std::ifstream in(dir / ("trace." + std::to_string(rank) + ".json"));
+        const nlohmann::json trace = nlohmann::json::parse(in);
+        std::map<std::string, int> handed;
+        for (const auto& e : trace["traceEvents"])
+          if (e["name"].get<std::string>().starts_with("hand-off: ")) {
+            ++handed[e["args"]["queue"].get<std::string>()];
+            CHECK(e["dur"].get<double>() >= 0);
+          }
+        std::string counts;
+        for (const auto& [queue, n] : handed) counts += queue + "=" + std::to_string(n) + " ";
+        CAPTURE(counts);
+        CHECK(handed["synchronizer"] == iterations);
+        CHECK(handed["waiter"] >= iterations);  // wait() blocks each time: the Synchronizer's thread ends it
+        if (values * sizeof(float) <= engine::TaskGraph<compression::None, transport::Tcp>::short_path_bytes) {
+          CHECK(handed["compute"] == 0);
+        } else {
+          CHECK(handed["compute"] >= iterations);  // each iteration's add, at least
+        }
+      }
+      std::filesystem::remove_all(dir);
+    }
   }
 
   TEST_CASE("past its capacity a timeline counts what it drops") {

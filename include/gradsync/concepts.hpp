@@ -23,6 +23,10 @@
 #include "gradsync/transport/completion.hpp"
 #include "gradsync/types.hpp"
 
+namespace gradsync::transport {
+class ReadInterrupt;  // transport/read_interrupt.hpp
+}
+
 namespace gradsync {
 
 namespace cuda {
@@ -313,6 +317,19 @@ concept DeviceAllreduce = DeviceTransport<X> &&
 // then takes only a PairOrderedTopology.
 template <class X>
 concept OrderMatchedTransport = TransportPolicy<X> && requires { requires X::matches_by_order; };
+
+// A transport whose receives a thread may read for itself while it keeps other requests in flight
+// (transport::Tcp's short path): read_until(req, until, interrupt) reads receive req's sockets on the
+// calling thread until the receive settles (true), `until` passes or `interrupt` is raised (false,
+// the receive still posted; also at once where it cannot). The task graph's communication thread
+// reads a small piece's frames so (engine/task_graph.hpp) instead of waiting for the transport's
+// thread to hand each one over.
+template <class X>
+concept CallerReader = TransportPolicy<X> &&
+    requires(X& x, typename X::Request& req, std::chrono::steady_clock::time_point until,
+             const transport::ReadInterrupt& interrupt) {
+      { x.read_until(req, until, interrupt) } -> std::same_as<bool>;
+    };
 
 // A transport that can add what it receives to the values already there:
 template <class X>

@@ -9,7 +9,9 @@
 //               gradients into its flat buffer and starts the topology's schedule with the codec
 //               over the transport on the executor (Options::executor): the task graph runs it
 //               on its own threads, several buckets at once, and writes the averages back as each
-//               bucket completes; the serial executor runs it on this thread, bucket by bucket.
+//               bucket completes (once the last bucket is started, this thread drives the graph
+//               itself until the iteration ends: engine/task_graph.hpp); the serial executor runs
+//               it on this thread, bucket by bucket.
 //               All of it while backward goes on.
 //   wait()      returns once every bucket is done, and readies the next iteration.
 //   on_averaged(update), if set, runs each gradient's update (its layer's optimizer step) as soon as
@@ -138,7 +140,8 @@ class Synchronizer {
 
   // From now on `update(id)` (the optimizer step of gradient `id`'s parameters: the third source
   // document's per-layer background update) runs as soon as `id` holds the iteration's average, on
-  // a task-graph compute thread (or the serial executor's thread) while backward goes on; wait()
+  // one of gradsync's threads (a task-graph compute thread, or for a bucket of at most
+  // TaskGraph::short_path_bytes the thread moving its bytes; the serial executor's thread) while backward goes on; wait()
   // returns once every update has run. As it may run the moment ready(id) is called, backward
   // must be done reading those parameters by then. Updates of different buckets may run at once,
   // on different threads. An exception from one stops synchronization on every rank with
@@ -178,9 +181,13 @@ class Synchronizer {
     if (!failed_.load(std::memory_order_acquire) && !gradients_.all_marked())
       fail(gradients_.never_ready(iteration_.load()));
     std::unique_lock lock(mutex_);
+    const bool blocked = !done_;
     done_cv_.wait(lock, [&] { return error_ || done_; });
     if (error_) throw_when_released(lock);
-    if (timeline) timeline->record(Timeline::Kind::wait, traced_start, 0, iteration_.load());
+    if (timeline) {
+      if (blocked) timeline->handed_off(Timeline::Queue::waiter, done_at_, 0);
+      timeline->record(Timeline::Kind::wait, traced_start, 0, iteration_.load());
+    }
     next_iteration(std::chrono::steady_clock::now() - start);
   }
 
@@ -353,6 +360,7 @@ class Synchronizer {
         end_iteration(iteration);
         std::unique_lock lock(mutex_);
         done_ = true;
+        done_at_ = std::chrono::steady_clock::now();
         done_cv_.notify_all();
         const std::uint64_t generation = generation_;
         idle_ = true;  // until the next bucket (or agreement) gives it work
@@ -415,13 +423,18 @@ class Synchronizer {
   template <class V>
   void synchronize_bucket(std::size_t b, std::span<V> values, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
-    if (Timeline* timeline = gradients_.timeline()) bucket.traced_start = timeline->now();
+    if (Timeline* timeline = gradients_.timeline()) {
+      bucket.traced_start = timeline->now();
+      timeline->handed_off(Timeline::Queue::synchronizer, gradients_.last_ready(plan_.buckets[b]),
+                           static_cast<std::uint32_t>(b));
+    }
     if (!bucket.in_place) {  // never over a device transport, whose packing waits for ready()'s marks
       const auto started = std::chrono::steady_clock::now();
       gradients_.pack(b, std::span<const GradId>(plan_.buckets[b]), values);
       stats_.compute += std::chrono::steady_clock::now() - started;
     }
-    if (task_graph_) return task_graph_->start(static_cast<std::uint32_t>(b), bucket.values, iteration);
+    // After the iteration's last bucket this thread waits for them all: it drives them from here.
+    if (task_graph_) return task_graph_->start(static_cast<std::uint32_t>(b), bucket.values, iteration, b + 1 == buckets_.size());
     stats_ += bucket.native_allreduce ? allreduce_natively(b)
                                       : bucket.exchange.run(values, codec_, transport_,
                                                             {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout});
@@ -558,6 +571,7 @@ class Synchronizer {
   std::condition_variable work_cv_;  // wakes the communication thread
   std::condition_variable done_cv_;  // wakes wait()
   bool done_ = false;                // this iteration's buckets are all averaged
+  std::chrono::steady_clock::time_point done_at_;  // ... since then
   bool stop_ = false;
   bool idle_ = false;                // the communication thread is waiting for work
   bool exited_ = false;              // the communication thread has returned
@@ -591,7 +605,7 @@ void Synchronizer<B, C, T, X>::freeze() {
                                                     task_graph_failed_ = true;
                                                     work_cv_.notify_all();
                                                   }},
-          options_.coordination, options_.spin_before_sleep);
+          options_.coordination, options_.spin_before_sleep, gradients_.timeline());
     install(bucketing_.initial_plan(gradients_.layout()));
     thread_ = std::thread([this] { communicate_then_exit(); });
     started_.store(true, std::memory_order_release);

@@ -14,6 +14,9 @@
 //   send to P / recv from P   from posting to completion, with bucket and bytes (async tracks)
 //   allreduce    a bucket summed by the transport's own allreduce (Options::native_allreduce),
 //                with its bytes (async track "transfers")
+//   hand-off: Q  work one thread queued for another, from its queuing to its taking, on the taking
+//                thread's track, with its bucket: Q names the way it went (Timeline::Queue). Work a
+//                thread queues for itself is no hand-off and not recorded.
 // Each thread's track is named by what it recorded: "trainer" (ready, wait), "gradsync compute"
 // (encode, decode, average), "gradsync communication" (transfers), or both, with its number.
 // Recording writes one preallocated slot (an atomic increment and a few stores); nothing is
@@ -44,7 +47,14 @@ namespace gradsync {
 
 class Timeline {
  public:
-  enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv, allreduce };
+  enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv, allreduce, handoff };
+  // The ways work goes from one thread to another (Kind::handoff's detail):
+  //   synchronizer    a bucket's last gradient marked ready -> the Synchronizer's thread packs it
+  //   compute         a task -> a task graph compute thread
+  //   communication   a transfer (or a task the communication thread runs) -> that thread
+  //   completion      a transfer the transport's thread finished -> the communication thread
+  //   waiter          the engine's last step -> the thread waiting for the iteration
+  enum class Queue : std::uint8_t { synchronizer, compute, communication, completion, waiter };
   static constexpr std::size_t max_capacity = std::size_t{1} << 27;  // 5 GiB of events: a setting's bound
 
   Timeline(std::string path, int rank, std::size_t capacity)
@@ -74,13 +84,19 @@ class Timeline {
   }
 
   // Nanoseconds on the machine's monotonic clock.
-  static std::int64_t now() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  static std::int64_t now() noexcept { return at(Clock::now()); }
+  static std::int64_t at(std::chrono::steady_clock::time_point t) noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+  }
+
+  // Work queued at `queued` for `queue`, taken now by this thread.
+  void handed_off(Queue queue, std::chrono::steady_clock::time_point queued, std::uint32_t bucket) noexcept {
+    record(Kind::handoff, at(queued), bucket, static_cast<std::uint64_t>(queue));
   }
 
   // One event from `start` (now(), taken when it began) to now. `detail`: the gradient id
-  // (ready), the iteration (wait), the elements (compute steps) or the bytes (transfers);
-  // `peer`: the peer's transport rank for a transfer.
+  // (ready), the iteration (wait), the elements (compute steps), the bytes (transfers) or the
+  // Queue (hand-offs); `peer`: the peer's transport rank for a transfer.
   void record(Kind kind, std::int64_t start, std::uint32_t bucket = 0, std::uint64_t detail = 0,
               std::int32_t peer = -1) noexcept {
     const std::size_t at = next_.fetch_add(1, std::memory_order_relaxed);
@@ -139,6 +155,12 @@ class Timeline {
                          "\"dur\":{:.3f},\"args\":{{\"bucket\":{},\"elements\":{}}}}}",
                          name(e.kind), rank_, e.lane, ts, dur, e.bucket, e.detail);
           break;
+        case Kind::handoff:
+          fmt::format_to(std::back_inserter(out),
+                         ",\n{{\"ph\":\"X\",\"name\":\"hand-off: {}\",\"cat\":\"gradsync\",\"pid\":{},\"tid\":{},"
+                         "\"ts\":{:.3f},\"dur\":{:.3f},\"args\":{{\"bucket\":{},\"queue\":\"{}\"}}}}",
+                         queue_name(e.detail), rank_, e.lane, ts, dur, e.bucket, queue_name(e.detail));
+          break;
         case Kind::bucket:
         case Kind::send:
         case Kind::recv:
@@ -191,6 +213,18 @@ class Timeline {
       case Kind::send: return "send";
       case Kind::recv: return "recv";
       case Kind::allreduce: return "allreduce";
+      case Kind::handoff: return "hand-off";
+    }
+    return "?";
+  }
+
+  static std::string_view queue_name(std::uint64_t queue) noexcept {
+    switch (static_cast<Queue>(queue)) {
+      case Queue::synchronizer: return "synchronizer";
+      case Queue::compute: return "compute";
+      case Queue::communication: return "communication";
+      case Queue::completion: return "completion";
+      case Queue::waiter: return "waiter";
     }
     return "?";
   }

@@ -25,6 +25,9 @@ void Tcp::recv(Request& r, int peer, std::uint64_t tag, std::span<std::byte> byt
 }
 bool Tcp::test(Request& r) { return engine_->test(r); }
 std::size_t Tcp::wait(Request& r, std::chrono::steady_clock::time_point deadline) { return engine_->wait(r, deadline); }
+bool Tcp::read_until(Request& r, std::chrono::steady_clock::time_point until, const ReadInterrupt& interrupt) {
+  return engine_->read_until(r, until, interrupt.fd());
+}
 void Tcp::abort(const Error& cause) { engine_->abort(cause); }
 
 }  // namespace gradsync::transport

@@ -212,6 +212,12 @@ class Gradients {
     return Clock::time_point(Clock::duration(first));
   }
   Clock::time_point last_ready() const { return *std::max_element(ready_at_.begin(), ready_at_.end()); }
+  // When gradients `ids` were all marked this iteration (once they are).
+  Clock::time_point last_ready(std::span<const GradId> ids) const {
+    Clock::time_point last{};
+    for (GradId id : ids) last = std::max(last, ready_at_[id]);
+    return last;
+  }
 
   // The iteration's marks as a bucketing policy learns from them. Once every gradient is marked.
   ReadyProfile profile(std::uint64_t iteration, const LogSink* log) {

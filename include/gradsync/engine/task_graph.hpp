@@ -21,6 +21,28 @@
 // iteration starts every installed bucket once; on the coordinator await_iteration() also waits until
 // every rank has reported the iteration finished.
 //
+// The short path. Handing a task to another thread costs a wake-up (tens of microseconds, more on
+// a loaded machine), far more than the work of a small piece. So a compute task whose piece is at
+// most short_path_bytes of values, and the epilogue of a bucket that small, run on the
+// communication thread itself, in the pass that finds them ready; and where the transport lets a
+// thread read its own receives (CallerReader: Tcp), the communication thread, with nothing else
+// to do, reads the oldest pending small receive's frames itself, interruptibly, rather than
+// sleeping until the transport's thread hands the frame over. A small bucket thus goes from its
+// start to its end on one thread: received, added, averaged and sent on without a hand-off, as the
+// serial walk does, while several buckets stay in flight. Larger pieces keep the compute threads,
+// which hide their encodes under the transfers of others. Which thread runs a step changes no bit:
+// the dependencies order every step alike.
+//
+// The waiter drives. The communication thread's passes are a role one thread holds at a time.
+// A thread in await_iteration() takes it while the communication thread has nothing in hand, and
+// does the passes itself until the iteration ends: the last receive, add and epilogue then run on
+// the thread that waits for them, as in Gloo, where a collective runs on its caller's thread,
+// instead of ending with a wake-up of that thread. Not with coordination, whose channel is the
+// communication thread's.
+//
+// Every hand-off between threads is on the timeline (Timeline::Kind::handoff: which queue, how
+// long the work waited), so a trace shows how many a bucket took.
+//
 // Over a device transport (transport::CudaStaged; not Nccl, whose messages match in posting
 // order) a compute task queues its kernels on the transport's one stream and is done once they
 // are queued: stream order carries the dependency to whatever is queued after it, and a send is
@@ -46,6 +68,8 @@
 #include "gradsync/engine/coordinator/channel.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/task_job.hpp"
+#include "gradsync/timeline.hpp"
+#include "gradsync/transport/read_interrupt.hpp"
 
 namespace gradsync::engine {
 
@@ -57,17 +81,34 @@ class TaskGraph final : private transport::CompletionSink {
     std::function<void()> failed;  // once, when a task fails; called under the task graph's lock: keep it short
   };
 
-  // `spin`: how long a thread that runs out of work polls for more before it sleeps (Options::spin_before_sleep).
+  // The largest piece (in bytes of values) whose compute runs on the communication thread, and
+  // whose receive that thread reads itself (the top of this file): decoding and adding 64 KiB
+  // takes about as long as one wake-up of another thread, and Tcp writes sends this small from the
+  // posting thread too.
+  static constexpr std::size_t short_path_bytes = std::size_t{64} << 10;
+
+  // `spin`: how long a thread that runs out of work polls for more before it sleeps
+  // (Options::spin_before_sleep). `timeline`, if given, gets the hand-offs between threads.
   TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
-            Hooks hooks, Coordination coordination = {}, std::chrono::microseconds spin = {})
-      : transport_(transport), codec_(codec), group_(group), timeout_(timeout), spin_(spin), hooks_(std::move(hooks)) {
+            Hooks hooks, Coordination coordination = {}, std::chrono::microseconds spin = {},
+            Timeline* timeline = nullptr)
+      : transport_(transport),
+        codec_(codec),
+        group_(group),
+        timeout_(timeout),
+        spin_(spin),
+        hooks_(std::move(hooks)),
+        timeline_(timeline) {
     if (coordination.enabled && group.size() > 1)
       channel_.emplace(transport, group, coordination, static_cast<transport::CompletionSink*>(this),
                        task_id(control_job, 0));
     reserve_completions(0);
     if (channel_) channel_->start();
     for (int i = 0; i < std::max(1, compute_threads); ++i) workers_.emplace_back([this] { compute_loop(); });
+    std::lock_guard lock(mutex_);  // the thread starts once its id is known
     communication_ = std::thread([this] { communication_loop(); });
+    communication_id_ = communication_.get_id();
+    communicator_.store(communication_id_, std::memory_order_release);
   }
 
   TaskGraph(const TaskGraph&) = delete;
@@ -110,6 +151,8 @@ class TaskGraph final : private transport::CompletionSink {
       wake_communication();
     }
     compute_ready_.reserve(steps);
+    inline_ready_.reserve(steps);
+    inlining_.reserve(steps);
     communication_ready_.reserve(transfers);
     reserve_completions(transfers);
     posting_.reserve(transfers);
@@ -119,17 +162,25 @@ class TaskGraph final : private transport::CompletionSink {
   }
 
   // Starts bucket `bucket` of the installed plan on `values` (which must stay alive and untouched
-  // until await_iteration() returns).
-  void start(std::uint32_t bucket, BucketValues values, std::uint64_t iteration) {
+  // until await_iteration() returns). `awaits_next`: the caller calls await_iteration() next, with
+  // nothing in between, so where the communication thread has nothing else in hand the bucket's
+  // first steps wait for the caller to drive them (the top of this file) instead of waking it.
+  void start(std::uint32_t bucket, BucketValues values, std::uint64_t iteration, bool awaits_next = false) {
     std::lock_guard lock(mutex_);
     if (failed_) return;  // await_iteration() reports why
     Job& job = jobs_[bucket];
     job.restart(values, iteration);
     ++running_buckets_;
     iteration_active_ = true;
-    if (job.left == 0) return make_ready(bucket, job.steps());  // nothing to exchange: straight to the epilogue
-    for (std::uint32_t s = 0; s < job.waiting.size(); ++s)
-      if (job.waiting[s] == 0) make_ready(bucket, s);
+    const bool leave_for_caller = awaits_next && !channel_ && !communicating_ && !has_communication_work();
+    quiet_ = leave_for_caller;
+    if (job.left == 0) {
+      make_ready(bucket, job.steps());  // nothing to exchange: straight to the epilogue
+    } else {
+      for (std::uint32_t s = 0; s < job.waiting.size(); ++s)
+        if (job.waiting[s] == 0) make_ready(bucket, s);
+    }
+    quiet_ = false;
   }
 
   // Blocks until every started bucket is done, its epilogue included, and returns what the
@@ -139,9 +190,13 @@ class TaskGraph final : private transport::CompletionSink {
     std::unique_lock lock(mutex_);
     // Other ranks: the report that this iteration is over must have left before the caller may
     // move on (or destroy the task graph).
-    done_cv_.wait(lock, [&] {
+    const auto over = [&] {
       return (running_buckets_ == 0 && !report_finished_ && !reports_pending_) || quiet_after_failure();
-    });
+    };
+    if (!channel_) drive_until(lock, over);
+    done_cv_.wait(lock, over);
+    if (timeline_ && iteration_active_ && !failed_ && last_done_by_ != std::this_thread::get_id())
+      timeline_->handed_off(Timeline::Queue::waiter, last_done_at_, last_done_bucket_);
     if (!failed_ && coordinating() && !done_cv_.wait_until(lock, Clock::now() + timeout_, [&] {
           return everyone_finished() || quiet_after_failure();
         }))
@@ -171,6 +226,12 @@ class TaskGraph final : private transport::CompletionSink {
     Clock::time_point deadline;
     std::uint64_t task;
   };
+  struct Completion {
+    std::uint64_t task;
+    Clock::time_point at;  // when the transport reported it
+    bool handed = false;   // ... from a thread other than the communication thread
+  };
+  struct NoInterrupt {};
   static constexpr std::uint32_t control_job = 0xffffffffu;  // task ids of the coordinator channel's requests
 
   ExchangeContext context(const Job& job, std::uint32_t bucket) const {
@@ -190,18 +251,32 @@ class TaskGraph final : private transport::CompletionSink {
   void make_ready(std::uint32_t bucket, std::uint32_t step) {
     Job& job = jobs_[bucket];
     const std::uint64_t task = task_id(bucket, step);
+    const auto queue = [&](std::vector<std::uint64_t>& heap) {
+      job.ready_at[step] = Clock::now();
+      job.queued_by[step] = std::this_thread::get_id();
+      heap.push_back(task);
+      std::push_heap(heap.begin(), heap.end(), std::greater<>{});
+    };
     if (step < job.steps() && is_transfer(job.exchange->schedule().steps[step].op)) {
-      communication_ready_.push_back(task);
-      std::push_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
+      queue(communication_ready_);
       wake_communication();
     } else if (step < job.steps() && job.exchange->added_on_receive(step)) {
       done(task);  // an add its receive already did: handing it to a compute thread would only delay what follows
+    } else if (on_short_path(job, step)) {
+      queue(inline_ready_);
+      wake_communication();
     } else {
-      job.ready_at[step] = Clock::now();
-      compute_ready_.push_back(task);
-      std::push_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
+      queue(compute_ready_);
       wake_compute();
     }
+  }
+
+  // Whether compute task `step` (or the epilogue) is small enough for the communication thread.
+  static bool on_short_path(const Job& job, std::uint32_t step) {
+    const std::size_t elements = step == job.steps()
+                                     ? std::visit([](auto values) { return values.size(); }, job.values)
+                                     : job.exchange->schedule().steps[step].range.size();
+    return elements * value_bytes(job.values) <= short_path_bytes;
   }
 
   // Task done: its successors may become ready; the bucket's last step readies its epilogue, and
@@ -210,7 +285,13 @@ class TaskGraph final : private transport::CompletionSink {
     const std::uint32_t bucket = bucket_of(task), step = step_of(task);
     Job& job = jobs_[bucket];
     if (step == job.steps()) {
-      if (--running_buckets_ == 0) done_cv_.notify_all();
+      if (--running_buckets_ == 0) {
+        last_done_at_ = Clock::now();
+        last_done_by_ = std::this_thread::get_id();
+        last_done_bucket_ = bucket;
+        done_cv_.notify_all();
+        if (driven_) wake_communication();  // the driving waiter sleeps on driver_cv_
+      }
       if (channel_ && ++buckets_done_ == jobs_.size()) {
         report_finished_ = true;
         wake_communication();
@@ -240,14 +321,26 @@ class TaskGraph final : private transport::CompletionSink {
   }
   void wake_communication() {
     communication_posted_.fetch_add(1, std::memory_order_release);
-    communication_cv_.notify_one();
+    if (quiet_) return;
+    (driven_ ? driver_cv_ : communication_cv_).notify_one();
+    interrupt_reading();
   }
   void wake_all() {
     compute_posted_.fetch_add(1, std::memory_order_release);
     communication_posted_.fetch_add(1, std::memory_order_release);
     compute_cv_.notify_all();
     communication_cv_.notify_all();
+    driver_cv_.notify_all();
+    interrupt_reading();
   }
+  // The communication thread, reading its own frames, has other work now.
+  void interrupt_reading() {
+    if constexpr (CallerReader<X>)
+      if (reading_ && std::this_thread::get_id() != communicator()) interrupt_.raise();
+  }
+
+  // The thread that holds the communication role now (the top of this file).
+  std::thread::id communicator() const noexcept { return communicator_.load(std::memory_order_acquire); }
 
   // With the lock held, before a thread sleeps for want of work: polls its queue's counter
   // (`posted`) for up to spin_, and not past `limit`, with the lock released; returns whether
@@ -286,27 +379,12 @@ class TaskGraph final : private transport::CompletionSink {
       std::pop_heap(compute_ready_.begin(), compute_ready_.end(), std::greater<>{});
       const std::uint64_t task = compute_ready_.back();
       compute_ready_.pop_back();
-      const std::uint32_t bucket = bucket_of(task), step = step_of(task);
-      Job& job = jobs_[bucket];
       const auto started = Clock::now();
-      stats_.queued += started - job.ready_at[step];
+      took(Timeline::Queue::compute, task, started);
       ++running_compute_;
       lock.unlock();
 
-      std::optional<Error> error;
-      try {
-        if (step == job.steps())
-          hooks_.bucket_done(bucket);
-        else
-          std::visit([&](auto values) { job.exchange->compute(step, values, codec_); }, job.values);
-      } catch (const Error& e) {
-        error = step == job.steps()
-                    ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})
-                    : job.exchange->located(e, step, context(job, bucket));
-      } catch (const std::exception& e) {
-        error = Error(ErrorKind::internal,
-                      {.rank = group_.members[group_.rank], .bucket = bucket, .operation = "compute"}, e.what());
-      }
+      std::optional<Error> error = compute(task);
       const auto ended = Clock::now();
 
       lock.lock();
@@ -318,6 +396,36 @@ class TaskGraph final : private transport::CompletionSink {
         done(task);
       if (quiet_after_failure()) done_cv_.notify_all();
     }
+  }
+
+  // With the lock held: this thread takes queued task `task` at `now`; the wait is a hand-off
+  // where another thread queued it, and counts as queued time for a compute task.
+  void took(Timeline::Queue queue, std::uint64_t task, Clock::time_point now) {
+    const Job& job = jobs_[bucket_of(task)];
+    if (step_of(task) == job.steps() || !is_transfer(job.exchange->schedule().steps[step_of(task)].op))
+      stats_.queued += now - job.ready_at[step_of(task)];
+    if (timeline_ && job.queued_by[step_of(task)] != std::this_thread::get_id())
+      timeline_->handed_off(queue, job.ready_at[step_of(task)], bucket_of(task));
+  }
+
+  // Runs compute task `task` (or the bucket's epilogue), without the lock; returns its failure.
+  std::optional<Error> compute(std::uint64_t task) {
+    const std::uint32_t bucket = bucket_of(task), step = step_of(task);
+    Job& job = jobs_[bucket];
+    try {
+      if (step == job.steps())
+        hooks_.bucket_done(bucket);
+      else
+        std::visit([&](auto values) { job.exchange->compute(step, values, codec_); }, job.values);
+    } catch (const Error& e) {
+      return step == job.steps()
+                 ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})
+                 : job.exchange->located(e, step, context(job, bucket));
+    } catch (const std::exception& e) {
+      return Error(ErrorKind::internal, {.rank = group_.members[group_.rank], .bucket = bucket, .operation = "compute"},
+                   e.what());
+    }
+    return std::nullopt;
   }
 
   // ---- the communication queue -----------------------------------------------------------------
@@ -340,9 +448,10 @@ class TaskGraph final : private transport::CompletionSink {
 
   // Called by the transport, possibly under its lock: only records the completion.
   void completed(std::uint64_t task) noexcept override {
+    const bool handed = std::this_thread::get_id() != communicator();
     std::lock_guard lock(mutex_);
     if (failed_ || completions_.size() == completions_.capacity()) return;
-    completions_.push_back(task);
+    completions_.push_back({task, Clock::now(), handed});
     wake_communication();
   }
 
@@ -362,9 +471,42 @@ class TaskGraph final : private transport::CompletionSink {
     if constexpr (DeviceTransport<X>) transport_.cuda_stream().make_current();  // this thread's device
     std::unique_lock lock(mutex_);
     for (;;) {
-      sleep_until_work(lock);
+      sleep_until_work(lock, [] { return false; });
       if (stopping_) return;
-      if (failed_) continue;
+      if (failed_ || driven_) continue;
+      pass(lock);
+    }
+  }
+
+  // With the lock held: a thread in await_iteration() does the communication thread's passes
+  // (the top of this file) until `over`, once that thread is out of its own. The role goes back
+  // with whatever work is left.
+  template <class Over>
+  void drive_until(std::unique_lock<std::mutex>& lock, Over over) {
+    while (!over() && !failed_ && communicating_) {
+      wants_role_ = true;
+      interrupt_reading();
+      done_cv_.wait(lock, [&] { return over() || failed_ || !communicating_; });
+    }
+    // The communication thread may have left work it saw while the role was wanted.
+    if (std::exchange(wants_role_, false) && (over() || failed_) && has_communication_work())
+      communication_cv_.notify_one();
+    if (over() || failed_) return;
+    driven_ = true;
+    communicator_.store(std::this_thread::get_id(), std::memory_order_release);
+    while (!over() && !failed_) {
+      sleep_until_work(lock, over);
+      if (over() || failed_) break;
+      pass(lock);
+    }
+    driven_ = false;
+    communicator_.store(communication_id_, std::memory_order_release);
+    if (has_communication_work()) communication_cv_.notify_one();  // the role is back, with work
+  }
+
+  // With the lock held, and held again on return: one pass of the communication role.
+  void pass(std::unique_lock<std::mutex>& lock) {
+    {
       const Pass pass = take_work();
       lock.unlock();
 
@@ -375,11 +517,14 @@ class TaskGraph final : private transport::CompletionSink {
           working_on_ = task_id(control_job, 0);
           channel_->announce(announced_, announced_receives_);
         }
-        post_ready(sent);
-        settle_completions();
-        if constexpr (DeferredSender<X>) holding_back_ = transport_.post_deferred();
-        if (channel_) serve_coordinator(pass, sent);
-        if (pass.overdue) expire(pass.oldest);
+        error = run_inline(sent);
+        if (!error) {
+          post_ready(sent);
+          settle_completions();
+          if constexpr (DeferredSender<X>) holding_back_ = transport_.post_deferred();
+          if (channel_) serve_coordinator(pass, sent);
+          if (pass.overdue) expire(pass.oldest);
+        }
       } catch (const Error& e) {
         error = located(e, working_on_);
       }
@@ -390,45 +535,104 @@ class TaskGraph final : private transport::CompletionSink {
     }
   }
 
+  // With the lock held: there is something for the communication role to do.
+  bool has_communication_work() const {
+    return !failed_ && (!communication_ready_.empty() || !inline_ready_.empty() || !completions_.empty() ||
+                        report_finished_ || announce_);
+  }
+
   // With the lock held.
-  void sleep_until_work(std::unique_lock<std::mutex>& lock) {
+  // With the lock held, for the role's holder: sleeps until there is work or `over`. The
+  // communication thread, while a waiter drives, sleeps until the role comes back.
+  template <class Over>
+  void sleep_until_work(std::unique_lock<std::mutex>& lock, Over over) {
+    const auto me = std::this_thread::get_id();
     const auto has_work = [&] {
-      return stopping_ ||
-             (!failed_ && (!communication_ready_.empty() || !completions_.empty() || report_finished_ || announce_));
+      return stopping_ || over() ||
+             (communicator() == me && (driven_ || !wants_role_) && has_communication_work());
     };
+    std::condition_variable& cv = driven_ && communicator() == me ? driver_cv_ : communication_cv_;
+    if (communicator() != me || (wants_role_ && !driven_)) return cv.wait(lock, has_work);
     // A transport holding sends back (DeferredSender) is looked at again soon: nothing else
-    // would wake this thread when they can go. Polling for work ends then too, and by the oldest
-    // pending transfer's deadline.
+    // would wake this thread when they can go. Polling for work, and reading frames, end then
+    // too, and by the oldest pending transfer's deadline.
     const auto soon = Clock::now() + deferred_poll;
-    if (spin_.count() > 0) {
-      const Clock::time_point poll_until = std::min(holding_back_ ? soon : Clock::time_point::max(),
-                                                    !failed_ && oldest_pending() ? posted_[posted_head_].deadline
-                                                                                 : Clock::time_point::max());
-      if (spin_for_work(lock, communication_posted_, has_work, poll_until)) return;
-    }
-    if (!failed_ && oldest_pending())
-      communication_cv_.wait_until(lock, holding_back_ ? std::min(soon, posted_[posted_head_].deadline)
-                                                       : posted_[posted_head_].deadline,
-                                   has_work);
-    else if (!failed_ && holding_back_)
-      communication_cv_.wait_until(lock, soon, has_work);
+    const Clock::time_point wake_at = std::min(holding_back_ && !failed_ ? soon : Clock::time_point::max(),
+                                               !failed_ && oldest_pending() ? posted_[posted_head_].deadline
+                                                                            : Clock::time_point::max());
+    if (spin_.count() > 0 && spin_for_work(lock, communication_posted_, has_work, wake_at)) return;
+    if constexpr (CallerReader<X>)
+      if (!has_work() && !wants_role_) read_own_frames(lock, wake_at);
+    if (wake_at == Clock::time_point::max())
+      cv.wait(lock, has_work);
     else
-      communication_cv_.wait(lock, has_work);
+      cv.wait_until(lock, wake_at, has_work);
+  }
+
+  // With the lock held, with nothing else to do: reads the oldest pending small receive's frames
+  // on this thread (the short path, the top of this file) until it settles, `until`, or new work
+  // interrupts it. Its completion comes to completed() from this thread, so no hand-off.
+  void read_own_frames(std::unique_lock<std::mutex>& lock, Clock::time_point until)
+    requires CallerReader<X>
+  {
+    if (failed_ || !oldest_pending()) return;
+    typename X::Request* receive = nullptr;
+    for (std::size_t i = posted_head_; i < posted_.size() && !receive; ++i) {
+      const std::uint64_t task = posted_[i].task;
+      Job& job = jobs_[bucket_of(task)];
+      const Step& step = job.exchange->schedule().steps[step_of(task)];
+      if (step.op == Step::Op::recv && !job.settled[step_of(task)] &&
+          step.range.size() * value_bytes(job.values) <= short_path_bytes)
+        receive = &job.exchange->request(step_of(task));
+    }
+    if (!receive) return;
+    reading_ = true;
+    communicating_ = true;  // in the transport with a job's request: install() and failures wait
+    lock.unlock();
+    try {
+      transport_.read_until(*receive, until, interrupt_);
+    } catch (const Error&) {
+      // The receive failed: its completion, reported like any other, carries the Error.
+    }
+    lock.lock();
+    reading_ = false;
+    communicating_ = false;
+    if (channel_ || wants_role_ || quiet_after_failure()) done_cv_.notify_all();
+  }
+
+  // The compute tasks take_work() found for this thread (the short path), run in queue order
+  // until one fails (its Error returned); record() finishes them.
+  std::optional<Error> run_inline(ExchangeStats& ran) {
+    for (std::uint64_t task : inlining_) {
+      const auto started = Clock::now();
+      if (std::optional<Error> error = compute(task)) return error;
+      ran.compute += Clock::now() - started;
+    }
+    return std::nullopt;
   }
 
   // With the lock held: moves ready transfers to `posting_` (in queue order) and reported
   // completions to `settling_`, and notes what else this pass must do.
   Pass take_work() {
     Pass pass;
-    pass.overdue = oldest_pending() && Clock::now() >= posted_[posted_head_].deadline;
+    const auto now = Clock::now();
+    pass.overdue = oldest_pending() && now >= posted_[posted_head_].deadline;
     if (pass.overdue) pass.oldest = posted_[posted_head_];
-    while (!communication_ready_.empty()) {
-      std::pop_heap(communication_ready_.begin(), communication_ready_.end(), std::greater<>{});
-      posting_.push_back(communication_ready_.back());
-      communication_ready_.pop_back();
-    }
+    const auto take = [&](std::vector<std::uint64_t>& heap, std::vector<std::uint64_t>& batch, Timeline::Queue queue) {
+      while (!heap.empty()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<>{});
+        batch.push_back(heap.back());
+        heap.pop_back();
+        took(queue, batch.back(), now);
+      }
+    };
+    take(inline_ready_, inlining_, Timeline::Queue::communication);
+    take(communication_ready_, posting_, Timeline::Queue::communication);
     posted_count_ = 0;
     std::swap(completions_, settling_);
+    if (timeline_)
+      for (const Completion& c : settling_)
+        if (c.handed) timeline_->handed_off(Timeline::Queue::completion, c.at, bucket_of(c.task));
     pass.finished_iteration = std::exchange(report_finished_, false);
     if (pass.finished_iteration) reports_pending_ = true;  // until this pass has posted the report
     pass.announce = std::exchange(announce_, false);
@@ -471,7 +675,8 @@ class TaskGraph final : private transport::CompletionSink {
   // Takes every completion in `settling_`: a finished receive's size is checked, a finished send
   // is reported to the coordinator; both go to `finished_`. The channel's own requests go to it.
   void settle_completions() {
-    for (std::uint64_t task : settling_) {
+    for (const Completion& completion : settling_) {
+      const std::uint64_t task = completion.task;
       working_on_ = task;
       if (bucket_of(task) == control_job) {
         channel_->completed(step_of(task), granted_, timeout_);
@@ -545,7 +750,8 @@ class TaskGraph final : private transport::CompletionSink {
   // are settled and free their successors (unless the pass failed), and the counters advance.
   void record(Clock::time_point now, const ExchangeStats& sent, std::optional<Error> error) {
     communicating_ = false;
-    if (channel_) done_cv_.notify_all();  // install() may be waiting for this
+    if (channel_ || wants_role_) done_cv_.notify_all();  // install(), or a waiter for the role, may be waiting for this
+    stats_.compute += sent.compute;
     for (std::size_t i = 0; i < posting_.size(); ++i) {
       const std::uint64_t task = posting_[i];
       if (i >= posted_count_) {  // the pass ran out of time before this one
@@ -577,9 +783,11 @@ class TaskGraph final : private transport::CompletionSink {
     if (error) {
       fail(std::move(*error));
     } else {
+      for (std::uint64_t task : inlining_) done(task);
       for (std::uint64_t task : finished_) done(task);
     }
     posting_.clear();
+    inlining_.clear();
     settling_.clear();
     finished_.clear();
     if (quiet_after_failure()) done_cv_.notify_all();
@@ -602,11 +810,16 @@ class TaskGraph final : private transport::CompletionSink {
   std::atomic<std::uint64_t> communication_posted_{0};
   std::vector<Job> jobs_;
   std::vector<std::uint64_t> compute_ready_;        // min-heap: oldest bucket, then schedule order
+  std::vector<std::uint64_t> inline_ready_;         // min-heap of compute tasks on the short path
   std::vector<std::uint64_t> communication_ready_;  // min-heap, likewise
-  std::vector<std::uint64_t> completions_;          // reported by the transport, not yet settled
+  std::vector<Completion> completions_;             // reported by the transport, not yet settled
   std::vector<Posted> posted_;                      // this iteration's transfers, in posting order
   std::size_t posted_head_ = 0;                     // the oldest that may still be pending
   std::size_t running_buckets_ = 0;
+  // The iteration's last step: when, on which thread, of which bucket (for the waiter's hand-off).
+  Clock::time_point last_done_at_;
+  std::thread::id last_done_by_;
+  std::uint32_t last_done_bucket_ = 0;
   std::size_t running_compute_ = 0;
   bool communicating_ = false;  // the communication thread is working outside the lock
   std::size_t in_flight_ = 0;
@@ -619,13 +832,28 @@ class TaskGraph final : private transport::CompletionSink {
   // The communication thread's batches, kept here so that their capacity is reused.
   std::vector<std::uint64_t> posting_;
   std::size_t posted_count_ = 0;  // how many of posting_ this pass posted
-  std::vector<std::uint64_t> settling_;
+  std::vector<std::uint64_t> inlining_;  // short-path compute tasks this pass runs
+  std::vector<Completion> settling_;
   std::vector<std::uint64_t> finished_;
   std::uint64_t working_on_ = 0;  // the communication thread's current task, to locate its errors
   // The transport holds sends back (DeferredSender): the communication thread's own, looked at
   // again after deferred_poll. A copy of a piece to host memory takes tens of microseconds.
   bool holding_back_ = false;
   static constexpr std::chrono::microseconds deferred_poll{20};
+  // The communication role (the top of this file): the communication thread's id, set as it
+  // starts; who holds the role now (read without the lock by completed()); whether a waiter holds
+  // it (driven_), sleeping on driver_cv_, or wants it once the communication thread is out of its pass.
+  std::thread::id communication_id_;
+  std::atomic<std::thread::id> communicator_{};
+  bool driven_ = false;
+  bool wants_role_ = false;
+  bool quiet_ = false;  // start(awaits_next): what it readies waits for the caller, who drives next
+  std::condition_variable driver_cv_;
+  // The short path's reading (read_own_frames): the communication thread is in the transport
+  // reading its own frames; raising the interrupt brings it back.
+  bool reading_ = false;
+  [[no_unique_address]] std::conditional_t<CallerReader<X>, transport::ReadInterrupt, NoInterrupt> interrupt_;
+  Timeline* timeline_ = nullptr;
 
   // Coordination: the channel is used by the communication thread only; the rest under the lock.
   std::optional<CoordinatorChannel<X>> channel_;

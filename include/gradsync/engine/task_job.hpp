@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 #include "gradsync/engine/dependencies.hpp"
@@ -26,8 +27,9 @@ struct TaskJob {
   Exchange* exchange = nullptr;
   Dependencies graph;
   std::vector<std::uint32_t> waiting;       // per step: dependencies not yet done
-  std::vector<Clock::time_point> ready_at;  // per compute task (and the epilogue): when it was queued;
+  std::vector<Clock::time_point> ready_at;  // per task (and the epilogue): when it was queued;
                                             // per coordinated send: when it was reported
+  std::vector<std::thread::id> queued_by;   // ... and by which thread
   std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
   std::vector<std::uint8_t> held;           // per send: waiting for the coordinator's grant
   std::uint32_t left = 0;                   // steps not yet done
@@ -44,6 +46,7 @@ struct TaskJob {
     graph = dependencies_of(exchange->schedule());
     waiting.resize(list.size());
     ready_at.resize(list.size() + 1);
+    queued_by.resize(list.size() + 1);
     settled.resize(list.size());
     held.assign(list.size(), 0);
     std::size_t transfers = 0;

@@ -23,6 +23,7 @@
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/error.hpp"
+#include "gradsync/transport/read_interrupt.hpp"
 
 namespace gradsync::transport {
 
@@ -104,6 +105,12 @@ class Routed {
   bool test(Request& r) { return r.is_local_ ? local_.test(r.local_) : remote_.test(r.remote_); }
   std::size_t wait(Request& r, std::chrono::steady_clock::time_point deadline) {
     return r.is_local_ ? local_.wait(r.local_, deadline) : remote_.wait(r.remote_, deadline);
+  }
+  // Where `Remote` has it (CallerReader), for other machines' ranks; a local receive is never read so.
+  bool read_until(Request& r, std::chrono::steady_clock::time_point until, const ReadInterrupt& interrupt)
+    requires CallerReader<Remote>
+  {
+    return !r.is_local_ && remote_.read_until(r.remote_, until, interrupt);
   }
   // The local transport's memory, where it has its own (see the top of this file).
   std::span<std::byte> allocate(std::size_t bytes)

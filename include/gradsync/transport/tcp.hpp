@@ -35,6 +35,7 @@
 #include "gradsync/launch/environment.hpp"
 #include "gradsync/log.hpp"
 #include "gradsync/transport/operation.hpp"
+#include "gradsync/transport/read_interrupt.hpp"
 
 namespace gradsync::detail {
 template <class Request>
@@ -132,6 +133,14 @@ class Tcp {
   bool test(Request& request);
   std::size_t wait(Request& request, std::chrono::steady_clock::time_point deadline);
   void abort(const Error& cause);
+
+  // The short path for a thread that keeps many requests in flight (the task graph's communication
+  // thread, CallerReader in concepts.hpp): reads the sockets of receive `request`'s peer on this
+  // thread, as wait() does, until the receive settles (true), `until` passes or `interrupt` is raised
+  // (false). Nothing is withdrawn or failed at `until`, and the outcome still goes to the request's
+  // CompletionSink, from this thread. False at once where this thread cannot take the sockets: the
+  // io thread is in the middle of one of the peer's frames, or the receive is not pending.
+  bool read_until(Request& request, std::chrono::steady_clock::time_point until, const ReadInterrupt& interrupt);
 
  private:
   std::unique_ptr<detail::TcpEngine> engine_;

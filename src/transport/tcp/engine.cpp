@@ -164,6 +164,15 @@ std::size_t TcpEngine::wait(Request& r, Clock::time_point deadline) {
   throw timeout;
 }
 
+bool TcpEngine::read_until(Request& r, Clock::time_point until, int interrupt_fd) {
+  std::unique_lock lock(mutex_);
+  if (r.state_ == Request::State::idle)
+    throw Error(ErrorKind::invalid_argument, where(r.peer_, "recv"), "request was never posted");
+  if (r.state_ == Request::State::pending && !r.is_send_ && r.peer_ != options_.rank)
+    read_as_caller(r, until, lock, interrupt_fd);
+  return r.state_ != Request::State::pending;
+}
+
 void TcpEngine::abort(const Error& cause) {
   std::shared_future<void> closed;
   {
@@ -359,9 +368,11 @@ void TcpEngine::watch(Connection& c) {
 // set, which reports any bytes already waiting, so the io thread wakes only for those) or at the
 // deadline. While a caller holds a socket nothing else reads or closes it: the io thread shuts it
 // down to wake the caller and closes it when the caller lets go.
-void TcpEngine::read_as_caller(Request& r, Clock::time_point deadline, std::unique_lock<std::mutex>& lock) {
+void TcpEngine::read_as_caller(Request& r, Clock::time_point deadline, std::unique_lock<std::mutex>& lock,
+                               int interrupt_fd) {
   Peer& p = peers_[static_cast<std::size_t>(r.peer_)];
-  const int wake_fd = reader_wake_fd();
+  // An interruptible reader is woken through its interrupt, for its own receive too.
+  const int wake_fd = interrupt_fd >= 0 ? interrupt_fd : reader_wake_fd();
   if (p.failure || aborted_ || closed_ || wake_fd < 0) return;
   std::array<Connection*, most_connections> held{};
   std::size_t holding = 0;
@@ -375,7 +386,8 @@ void TcpEngine::read_as_caller(Request& r, Clock::time_point deadline, std::uniq
   readers_.emplace_back(&r, wake_fd);
   reading_wake_fd = wake_fd;
   std::array<pollfd, most_connections + 1> polled{};
-  for (bool first = true; holding > 0 && r.state_ == Request::State::pending; first = false) {
+  bool interrupted = false;
+  for (bool first = true; holding > 0 && r.state_ == Request::State::pending && !interrupted; first = false) {
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) break;
     lock.unlock();
@@ -384,7 +396,7 @@ void TcpEngine::read_as_caller(Request& r, Clock::time_point deadline, std::uniq
       polled[holding] = {wake_fd, POLLIN, 0};
       ::poll(polled.data(), holding + 1, static_cast<int>(std::min<decltype(left)>(left, reader_poll_limit_ms)));
       std::uint64_t wakes = 0;
-      [[maybe_unused]] const auto drained = ::read(wake_fd, &wakes, sizeof wakes);
+      interrupted = ::read(wake_fd, &wakes, sizeof wakes) > 0 && interrupt_fd >= 0;
     }
     std::size_t kept = 0;
     for (std::size_t i = 0; i < holding; ++i)

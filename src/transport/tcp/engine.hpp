@@ -132,6 +132,7 @@ class TcpEngine {
             std::size_t size);
   bool test(Request& r);
   std::size_t wait(Request& r, Clock::time_point deadline);
+  bool read_until(Request& r, Clock::time_point until, int interrupt_fd);
   void abort(const Error& cause);
 
  private:
@@ -162,9 +163,11 @@ class TcpEngine {
   bool io_reads(const Connection& c) const;
 
   // The short path (engine.cpp): a caller waiting for receive `r` takes the peer's sockets that
-  // only wait for bytes, reads them itself until `r` settles or the deadline, and lets go of them.
-  // Requires the lock, held again on return.
-  void read_as_caller(Request& r, Clock::time_point deadline, std::unique_lock<std::mutex>& lock);
+  // only wait for bytes, reads them itself until `r` settles or the deadline (or, with
+  // `interrupt_fd`, read_until's, until that is raised), and lets go of them. Requires the lock,
+  // held again on return.
+  void read_as_caller(Request& r, Clock::time_point deadline, std::unique_lock<std::mutex>& lock,
+                      int interrupt_fd = -1);
   bool takes(const Connection& c, const Request& r) const;
   void release(Connection& c);  // requires the lock
 
