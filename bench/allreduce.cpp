@@ -409,7 +409,8 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   std::optional<engine::TaskGraph<Codec, X>> graph;
   if (cfg.executor == "task-graph")
     graph.emplace(transport, codec, group, 1, std::chrono::minutes(2),
-                  typename engine::TaskGraph<Codec, X>::Hooks{.bucket_done = [](std::uint32_t) {}});
+                  typename engine::TaskGraph<Codec, X>::BucketTasks{.pack = [](std::uint32_t) {},
+                                                                    .copy_back = [](std::uint32_t) {}});
   std::vector<Row> rows;
   std::uint64_t iteration = 0;
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
@@ -434,7 +435,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       coordination.barrier();
       const auto start = Clock::now();
       if (graph) {
-        graph->start(0, std::span<float>(values), iteration++, /*awaits_next=*/true);
+        graph->start(0, std::span<float>(values), iteration++, /*packed=*/true, /*awaits_next=*/true);
         graph->await_iteration();
       } else {
         exchange.run(std::span<float>(values), codec, transport, {group, iteration++, 0, std::chrono::minutes(2)});

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "gradsync/gradsync.hpp"
+#include "policies/fixed_point16.hpp"
 #include "support.hpp"
 
 using namespace gradsync;
@@ -587,6 +588,58 @@ TEST_SUITE("synchronizer") {
           std::string::npos);
     for (int r : {0, 2})
       if (errors[static_cast<std::size_t>(r)]) CHECK(errors[static_cast<std::size_t>(r)]->kind() == ErrorKind::peer_failed);
+  }
+
+  // A codec whose decode throws on one rank: where a small piece's decode runs on the thread holding
+  // the communication role, a large one's on a compute thread.
+  struct DecodeRefused : example::FixedPoint16 {
+    bool refuses = false;
+    void decode(std::span<const std::byte> in, std::span<float> out, DecodeMode mode) const {
+      if (refuses) throw std::runtime_error("decode refused");
+      FixedPoint16::decode(in, out, mode);
+    }
+  };
+
+  TEST_CASE("a failure on any engine thread reaches every rank's wait(), naming rank, bucket and operation") {
+    // 64 values: pieces and copy back on the short path (the role's thread, here the waiter's);
+    // 2^16: pieces of ~85 KiB and a 256 KiB copy back, on a compute thread. Packed bucket "ab"
+    // too: over 64 KiB, its pack is a compute thread's task.
+    for (const std::size_t values : {std::size_t{64}, std::size_t{1} << 16}) {
+      for (const bool in_update : {false, true}) {
+        CAPTURE(values);
+        CAPTURE(in_update);
+        const auto errors = test::run_ranks(3, [&](InProcess& t) {
+          std::vector<float> a(values, 1.0f), b(values, 2.0f);
+          const int rank = t.rank();
+          Synchronizer<bucketing::FixedSize, DecodeRefused, topology::Ring, InProcess> sync(
+              std::move(t), {.timeout = 60s}, {}, DecodeRefused{{}, !in_update && rank == 1});
+          sync.add("a", view(a));
+          sync.add("b", view(b));
+          if (in_update)
+            sync.on_averaged([rank](GradId id) {
+              if (rank == 1 && id == 1) throw std::runtime_error("optimizer state missing");
+            });
+          sync.ready(1);
+          sync.ready(0);
+          sync.wait();
+        });
+        REQUIRE(errors[1]);
+        const Error& origin = *errors[1];
+        CHECK(origin.kind() == ErrorKind::internal);
+        CHECK(origin.context().rank == 1);
+        CHECK(origin.context().bucket == 0u);
+        CHECK(origin.context().operation == (in_update ? "update" : "compute"));
+        CHECK(std::string(origin.what()).find(in_update ? "optimizer state missing" : "decode refused") !=
+              std::string::npos);
+        // A refused decode stops rank 1's part of the ring, so the others cannot finish; an update
+        // runs once the bucket is averaged, by when they may have.
+        for (int r : {0, 2}) {
+          if (!in_update) REQUIRE(errors[static_cast<std::size_t>(r)]);
+          if (errors[static_cast<std::size_t>(r)])
+            CHECK(errors[static_cast<std::size_t>(r)]->kind() == ErrorKind::peer_failed);
+        }
+      }
+    }
   }
 
   TEST_CASE("every rank agrees on the plan rebuilt from rank 0's observed ready order") {

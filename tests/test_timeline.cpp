@@ -87,7 +87,9 @@ TEST_SUITE("timeline") {
         CHECK(thread_names.count(e["tid"]) == 1);  // every track is named
         const std::string thread = thread_names[e["tid"]];
         if (name == "ready" || name == "wait") CHECK(thread.starts_with("trainer (thread "));
-        if (name == "encode" || name == "decode") CHECK(thread.starts_with("gradsync "));
+        // gradsync's threads, or the trainer's in wait(), which drives the task graph's last steps
+        if (name == "encode" || name == "decode")
+          CHECK((thread.starts_with("gradsync ") || thread.starts_with("trainer (thread ")));
         CHECK(e["ts"].get<double>() >= 0);
         ++count[ph == "e" ? name + " (end)" : name];
         if (name == "ready") ready_names.insert(e["args"]["gradient"].get<std::string>());
@@ -167,8 +169,10 @@ TEST_SUITE("timeline") {
   // The short path (engine/task_graph.hpp): a bucket of small pieces goes from start to end without
   // a compute thread, its frames read by the thread holding the communication role; a bucket of
   // large pieces still hands its adds to the compute threads. Counted from the trace, as a user
-  // would read it: the trainer -> Synchronizer hand-off and wait()'s are there every iteration;
-  // the rest (the first send, a frame the io thread had begun) vary with how the threads raced.
+  // would read it: the trainer's ready() starts the bucket itself (no Synchronizer thread), and
+  // its wait() drives it; what else there is (a frame the io thread had begun, a completion the
+  // communication thread took first) varies with how the threads raced, at most once per transfer
+  // (two per iteration here) and once for the waiter.
   TEST_CASE("hand-offs per bucket, read from the trace: none to a compute thread for a small bucket") {
     constexpr int iterations = 4;
     for (const std::size_t values : {std::size_t{1024}, std::size_t{1} << 18}) {
@@ -202,10 +206,10 @@ TEST_SUITE("timeline") {
         std::string counts;
         for (const auto& [queue, n] : handed) counts += queue + "=" + std::to_string(n) + " ";
         CAPTURE(counts);
-        CHECK(handed["synchronizer"] == iterations);
-        CHECK(handed["waiter"] >= iterations);  // wait() blocks each time: the Synchronizer's thread ends it
+        CHECK(handed["synchronizer"] == 0);
         if (values * sizeof(float) <= engine::TaskGraph<compression::None, transport::Tcp>::short_path_bytes) {
           CHECK(handed["compute"] == 0);
+          CHECK(handed["completion"] + handed["communication"] + handed["waiter"] <= 3 * iterations);
         } else {
           CHECK(handed["compute"] >= iterations);  // each iteration's add, at least
         }

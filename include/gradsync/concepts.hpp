@@ -56,12 +56,13 @@ class Stream;
 //                             the current plan, if it has none) is installed on every rank before
 //                             the next iteration, so membership never differs between ranks.
 //   expected_ready(bucket)    optional time (since the first ready() of the iteration) by which
-//                             the bucket is expected to be complete. The Synchronizer's thread
-//                             sets a timer for it and calls
-//   on_late(bucket, now)      when that time passes with the bucket still incomplete, so a
-//                             timing-driven policy sees drift as it happens, not only afterwards.
+//                             the bucket is expected to be complete. The Synchronizer calls
+//   on_late(bucket, now)      at the first ready() after that time with the bucket still
+//                             incomplete (or completed by that very ready()), so a timing-driven
+//                             policy sees drift as it happens, not only afterwards.
 //
-// All calls come from the Synchronizer's communication thread; policies need no locking.
+// The Synchronizer calls a policy from one thread at a time (ready()'s under its lock, the rest
+// from the first synchronization and wait()); policies need no locking.
 template <class B>
 concept BucketingPolicy = std::copyable<B> &&
     requires(B& b, const B& cb, const Layout& layout, const ReadyProfile& profile, std::uint64_t iteration,

@@ -2,25 +2,29 @@
 // Synchronizer<Bucketing, Compression, Topology, Transport> — where the four policies meet.
 //
 // The life of an iteration:
-//   ready(id)   from any thread, as backward produces gradient `id`. When the last gradient of a
-//               bucket arrives, the communication thread is woken.
-//   the communication thread takes buckets strictly in plan order (the same on every rank, which
-//               is what keeps ranks from waiting on each other crosswise), copies the bucket's
-//               gradients into its flat buffer and starts the topology's schedule with the codec
-//               over the transport on the executor (Options::executor): the task graph runs it
-//               on its own threads, several buckets at once, and writes the averages back as each
-//               bucket completes (once the last bucket is started, this thread drives the graph
-//               itself until the iteration ends: engine/task_graph.hpp); the serial executor runs
-//               it on this thread, bucket by bucket.
+//   ready(id)   from any thread, as backward produces gradient `id`. Buckets start strictly in plan
+//               order (the same on every rank, which is what keeps ranks from waiting on each
+//               other crosswise). On the task graph (Options::executor, engine/task_graph.hpp)
+//               the ready() that completes the next bucket starts it, and any later ones already
+//               complete, on its own thread: it packs a small bucket's gradients into its flat
+//               buffer itself (a larger one's pack is the bucket's first task, on a compute
+//               thread) and hands the topology's schedule with the codec over the transport to the
+//               graph, whose threads run it, several buckets at once, and write the averages
+//               back as each bucket completes. The serial executor has one thread of its own that
+//               walks the buckets in order, packing and running each to its end.
 //               All of it while backward goes on.
-//   wait()      returns once every bucket is done, and readies the next iteration.
+//   wait()      on the task graph, drives the graph itself until every bucket is done (the last
+//               bucket's receives, adds and copy back then run on the waiting thread); on the
+//               serial executor, waits for the walk. Then hands the iteration's timings to the
+//               bucketing policy, agrees a new plan when due, and readies the next iteration.
 //   on_averaged(update), if set, runs each gradient's update (its layer's optimizer step) as soon as
 //               its bucket is averaged, on the synchronization side, so that a layer's parameters
 //               change while backward still runs on earlier layers; wait() then also waits for them.
 //
-// At the first synchronization the ranks exchange their layouts and policy settings, and stop
-// with an Error on every rank if anything differs. Plans proposed by the bucketing policy are
-// agreed (rank 0's wins) at iteration boundaries. Both travel on the control channel
+// At the first synchronization (the first ready() or wait(), which blocks until every rank has
+// reached its own) the ranks exchange their layouts and policy settings, and stop with an Error on
+// every rank if anything differs. Plans proposed by the bucketing policy are agreed (rank 0's
+// wins) at iteration boundaries, in wait(). Both travel on the control channel
 // (engine/control.hpp). Buffers are sized whenever a plan is installed; ready(), the exchange and
 // wait() allocate nothing.
 
@@ -107,21 +111,20 @@ class Synchronizer {
   Synchronizer(const Synchronizer&) = delete;
   Synchronizer& operator=(const Synchronizer&) = delete;
 
-  // Stops the communication thread. Destroyed in the middle of an iteration, it aborts the
-  // transport so that the other ranks fail fast instead of waiting for it.
+  // Destroyed in the middle of an iteration, it aborts the transport so that the other ranks fail
+  // fast instead of waiting for it; then its threads stop.
   ~Synchronizer() {
-    if (!thread_.joinable()) return;
-    bool mid_iteration;
+    if (!started_.load(std::memory_order_acquire)) return;
+    const bool mid_iteration = !failed_.load(std::memory_order_acquire) && gradients_.any_marked() && !iteration_over();
     {
       std::lock_guard lock(mutex_);
       stop_ = true;
-      mid_iteration = !error_ && (!idle_ || (gradients_.any_marked() && !done_));
     }
     if (mid_iteration)
       transport_.abort(Error(ErrorKind::peer_failed, here("shutdown"),
                              fmt::format("the Synchronizer was destroyed during iteration {}", iteration_.load())));
     work_cv_.notify_all();
-    thread_.join();
+    if (walker_.joinable()) walker_.join();
   }
 
   // Registers a gradient; ids are given out in order from 0. Every rank must register the same
@@ -153,15 +156,21 @@ class Synchronizer {
     update_ = std::move(update);
   }
 
-  // Marks gradient `id` as holding this iteration's local value. Thread-safe; allocation-free.
+  // Marks gradient `id` as holding this iteration's local value, and on the task graph starts the
+  // buckets it completes (the top of this file). Thread-safe; allocation-free.
   void ready(GradId id) {
-    if (failed_.load(std::memory_order_acquire)) {
-      std::unique_lock lock(mutex_);
-      throw_when_released(lock);
-    }
+    if (failed_.load(std::memory_order_acquire)) throw_failure();
     freeze();
     const auto marked = gradients_.mark(id, iteration_.load());
-    if (marked.bucket_complete || marked.first) {  // the first mark arms bucketing timers
+    {
+      std::lock_guard lock(start_mutex_);
+      report_if_late(marked);
+      if (task_graph_) {
+        if (marked.bucket_complete) start_complete_buckets();
+        return;
+      }
+    }
+    if (marked.bucket_complete) {
       std::lock_guard lock(mutex_);
       work_cv_.notify_all();
     }
@@ -180,14 +189,20 @@ class Synchronizer {
     const std::int64_t traced_start = timeline ? timeline->now() : 0;
     if (!failed_.load(std::memory_order_acquire) && !gradients_.all_marked())
       fail(gradients_.never_ready(iteration_.load()));
-    std::unique_lock lock(mutex_);
-    const bool blocked = !done_;
-    done_cv_.wait(lock, [&] { return error_ || done_; });
-    if (error_) throw_when_released(lock);
-    if (timeline) {
-      if (blocked) timeline->handed_off(Timeline::Queue::waiter, done_at_, 0);
-      timeline->record(Timeline::Kind::wait, traced_start, 0, iteration_.load());
+    if (task_graph_) {
+      await_task_graph();
+    } else {
+      std::unique_lock lock(mutex_);
+      const bool blocked = !walked_;
+      done_cv_.wait(lock, [&] { return error_ || walked_; });
+      if (error_) {
+        lock.unlock();
+        throw_failure();
+      }
+      if (timeline && blocked) timeline->handed_off(Timeline::Queue::waiter, walked_at_, 0);
     }
+    end_iteration();
+    if (timeline) timeline->record(Timeline::Kind::wait, traced_start, 0, iteration_.load());
     next_iteration(std::chrono::steady_clock::now() - start);
   }
 
@@ -196,9 +211,13 @@ class Synchronizer {
   // returns true is a wait of no length (the trainer did not block).
   bool try_wait() {
     freeze();
-    std::unique_lock lock(mutex_);
-    if (error_) throw_when_released(lock);
-    if (!done_) return false;
+    if (failed_.load(std::memory_order_acquire)) task_graph_ ? await_task_graph() : throw_failure();
+    if (!iteration_over()) return false;
+    if (task_graph_)
+      await_task_graph();  // at once: it returns the iteration's costs, or throws
+    else if (failed_.load(std::memory_order_acquire))
+      throw_failure();
+    end_iteration();
     if (Timeline* timeline = gradients_.timeline())
       timeline->record(Timeline::Kind::wait, timeline->now(), 0, iteration_.load());
     next_iteration(std::chrono::nanoseconds{0});
@@ -341,105 +360,166 @@ class Synchronizer {
     if (rank() == 0) log_line(options_.log, fmt::format("gradsync {}: {}{}", topology_.describe(), links, choices));
   }
 
-  void communicate() {
+  // The first synchronization, on the caller's thread: the agreements every rank makes before its
+  // first bucket, then selective compression's calibration and the link probe where they apply.
+  void agree_before_first_bucket() {
+    engine::agree_on_membership(control_);
+    engine::agree_on_layout(control_, gradients_.layout(), describe_policies());
+    if (options_.selective_compression && !C::identity && size() > 1) {
+      costs_ = engine::calibrate(codec_, control_);
+      for (std::size_t b = 0; b < buckets_.size(); ++b) buckets_[b].exchange = exchange_for(b, buckets_[b]);
+      hand_to_task_graph();
+    }
+    if constexpr (LinkAwareTopology<T>) measure_link();
+  }
+
+  // Runs `work`, recording what it throws as this Synchronizer's failure (so every rank learns of
+  // it) and throwing that failure on. A mismatch found by an agreement is every rank's verdict:
+  // aborting the transport would only turn the others' clear message into "peer failed".
+  template <class Work>
+  void failing_on_error(const char* operation, Work work) {
     try {
-      engine::agree_on_membership(control_);
-      engine::agree_on_layout(control_, gradients_.layout(), describe_policies());
-      if (options_.selective_compression && !C::identity && size() > 1) {
-        costs_ = engine::calibrate(codec_, control_);
-        for (std::size_t b = 0; b < buckets_.size(); ++b) buckets_[b].exchange = exchange_for(b, buckets_[b]);
-        hand_to_task_graph();
-      }
-      if constexpr (LinkAwareTopology<T>) measure_link();
-      for (std::uint64_t iteration = 0;; ++iteration) {
-        for (std::size_t b = 0; b < buckets_.size(); ++b) {
-          if (!wait_for_bucket(b)) return;
-          std::visit([&](auto values) { synchronize_bucket(b, values, iteration); }, buckets_[b].values);
-        }
-        if (task_graph_) stats_ += task_graph_->await_iteration();
-        end_iteration(iteration);
-        std::unique_lock lock(mutex_);
-        done_ = true;
-        done_at_ = std::chrono::steady_clock::now();
-        done_cv_.notify_all();
-        const std::uint64_t generation = generation_;
-        idle_ = true;  // until the next bucket (or agreement) gives it work
-        work_cv_.wait(lock, [&] { return stop_ || generation_ != generation; });
-        if (stop_) return;
-      }
+      work();
     } catch (const Error& e) {
-      // Every rank learns of a layout mismatch from the same verdict; aborting the transport
-      // would only turn the others' clear message into "peer failed".
       fail(e, e.kind() != ErrorKind::mismatch);
+      throw_failure();
     } catch (const std::exception& e) {
-      fail(Error(ErrorKind::internal, here("communication thread"), e.what()));
+      fail(Error(ErrorKind::internal, here(operation), e.what()));
+      throw_failure();
     }
   }
 
-  // The thread's whole life: it marks its exit so that no error is thrown while it may still touch gradients.
-  void communicate_then_exit() {
-    if constexpr (DeviceTransport<X>) transport_.cuda_stream().make_current();  // this thread's device
-    communicate();
-    std::lock_guard lock(mutex_);
-    exited_ = true;
-    done_cv_.notify_all();
-  }
-
-  // With the lock held, once an error is recorded: throws it once the thread has let go.
-  [[noreturn]] void throw_when_released(std::unique_lock<std::mutex>& lock) {
-    done_cv_.wait(lock, [&] { return exited_; });
+  // Throws the failure that stopped synchronization, once the serial walk's thread has let go of
+  // the gradients (the task graph's threads are quiet once await_iteration() has returned or thrown).
+  [[noreturn]] void throw_failure() {
+    std::unique_lock lock(mutex_);
+    done_cv_.wait(lock, [&] { return !walker_.joinable() || walker_exited_; });
     throw *error_;
   }
 
-  // Sleeps until bucket `b` is complete, waking for the bucketing policy's deadline on the way.
-  bool wait_for_bucket(std::size_t b) {
-    std::unique_lock lock(mutex_);
-    idle_ = true;
-    bool late_reported = false;
-    for (;;) {
-      if (stop_) return false;
-      if (task_graph_failed_) {  // await_iteration() throws the task graph's error once its threads are quiet
-        lock.unlock();
-        task_graph_->await_iteration();
-        lock.lock();
+  // With start_mutex_ held: on the task graph, starts the buckets that are complete, in plan order,
+  // from the next one not yet started.
+  void start_complete_buckets() {
+    failing_on_error("start", [&] {
+      while (next_bucket_ < buckets_.size() && gradients_.bucket_complete(next_bucket_)) {
+        const std::size_t b = next_bucket_++;
+        late_reported_ = false;
+        std::visit([&](auto values) { synchronize_bucket(b, values, iteration_.load()); }, buckets_[b].values);
       }
-      if (gradients_.bucket_complete(b)) break;
-      const auto first = gradients_.first_ready();
-      const auto expected = late_reported || !first ? std::nullopt : bucketing_.expected_ready(b);
-      if (!expected) {
-        work_cv_.wait(lock);
-        continue;
-      }
-      if (work_cv_.wait_until(lock, *first + *expected) == std::cv_status::timeout && !gradients_.bucket_complete(b)) {
-        late_reported = true;
-        bucketing_.on_late(b, std::chrono::steady_clock::now() - *first);
-      }
-    }
-    idle_ = false;
-    return true;
+    });
   }
 
-  // Packs bucket `b` and runs it (serial) or starts it (task graph, which calls finish_bucket(b)).
+  // With start_mutex_ held, after `marked`: tells the bucketing policy that the next bucket to start
+  // is late, if its expected time (since the iteration's first mark) has passed while it was
+  // incomplete: it still is, or this very mark completed it. Once per bucket and iteration.
+  void report_if_late(const typename engine::Gradients<X>::Marked& marked) {
+    const std::size_t b = next_bucket_;
+    if (late_reported_ || b >= buckets_.size()) return;
+    if (gradients_.bucket_complete(b) && !(marked.bucket_complete && marked.bucket == b)) return;
+    const auto expected = bucketing_.expected_ready(b);
+    const auto first = gradients_.first_ready();
+    if (!expected || !first) return;
+    const Duration since_first = std::chrono::steady_clock::now() - *first;
+    if (since_first <= *expected) return;
+    late_reported_ = true;
+    bucketing_.on_late(b, since_first);
+  }
+
+  // On the task graph: drives it until the iteration's buckets are done, then throws the first
+  // failure, whether the graph's or one recorded elsewhere (which aborted the transport, so the
+  // graph's pending transfers failed too).
+  void await_task_graph() {
+    try {
+      stats_ += task_graph_->await_iteration();
+    } catch (const Error& e) {
+      fail(e);
+    }
+    if (failed_.load(std::memory_order_acquire)) throw_failure();
+  }
+
+  // Whether every bucket of this iteration is done.
+  bool iteration_over() {
+    if (!task_graph_) {
+      std::lock_guard lock(mutex_);
+      return walked_ || error_;
+    }
+    std::lock_guard lock(start_mutex_);
+    return next_bucket_ == buckets_.size() && task_graph_->iteration_over();
+  }
+
+  // The serial executor's thread: walks each iteration's buckets in plan order, packing and running
+  // each as it becomes complete. It marks its exit so that no error is thrown while it may still
+  // touch gradients.
+  void walk() {
+    if constexpr (DeviceTransport<X>) transport_.cuda_stream().make_current();  // this thread's device
+    try {
+      for (;;) {
+        const std::uint64_t iteration = iteration_.load();
+        for (std::size_t b = 0; b < buckets_.size(); ++b) {
+          {
+            std::lock_guard lock(start_mutex_);
+            next_bucket_ = b;
+            late_reported_ = false;
+          }
+          {
+            std::unique_lock lock(mutex_);
+            work_cv_.wait(lock, [&] { return stop_ || gradients_.bucket_complete(b); });
+            if (stop_) break;
+          }
+          std::visit([&](auto values) { synchronize_bucket(b, values, iteration); }, buckets_[b].values);
+        }
+        std::unique_lock lock(mutex_);
+        if (stop_) break;
+        walked_ = true;
+        walked_at_ = std::chrono::steady_clock::now();
+        done_cv_.notify_all();
+        work_cv_.wait(lock, [&] { return stop_ || iteration_.load() != iteration; });
+        if (stop_) break;
+      }
+    } catch (const Error& e) {
+      fail(e);
+    } catch (const std::exception& e) {
+      fail(Error(ErrorKind::internal, here("serial executor"), e.what()));
+    }
+    std::lock_guard lock(mutex_);
+    walker_exited_ = true;
+    done_cv_.notify_all();
+  }
+
+  // Packs bucket `b` and runs it (serial walk) or starts it on the task graph (which then packs it,
+  // if the caller did not, and copies it back: finish_bucket()).
   template <class V>
   void synchronize_bucket(std::size_t b, std::span<V> values, std::uint64_t iteration) {
     Bucket& bucket = buckets_[b];
     if (Timeline* timeline = gradients_.timeline()) {
       bucket.traced_start = timeline->now();
-      timeline->handed_off(Timeline::Queue::synchronizer, gradients_.last_ready(plan_.buckets[b]),
-                           static_cast<std::uint32_t>(b));
+      if (!task_graph_)  // the walk's thread took the bucket from the ready() that completed it
+        timeline->handed_off(Timeline::Queue::synchronizer, gradients_.last_ready(plan_.buckets[b]),
+                             static_cast<std::uint32_t>(b));
     }
-    if (!bucket.in_place) {  // never over a device transport, whose packing waits for ready()'s marks
-      const auto started = std::chrono::steady_clock::now();
-      gradients_.pack(b, std::span<const GradId>(plan_.buckets[b]), values);
-      stats_.compute += std::chrono::steady_clock::now() - started;
-    }
-    // After the iteration's last bucket this thread waits for them all: it drives them from here.
-    if (task_graph_) return task_graph_->start(static_cast<std::uint32_t>(b), bucket.values, iteration, b + 1 == buckets_.size());
+    // A bucket larger than the graph's short path is packed on a compute thread, so that ready()
+    // returns to backward at once.
+    const bool pack_here =
+        !task_graph_ || values.size() * sizeof(V) <= engine::TaskGraph<C, X>::short_path_bytes;
+    if (pack_here) pack_bucket(b);
+    if (task_graph_)
+      return task_graph_->start(static_cast<std::uint32_t>(b), bucket.values, iteration, pack_here,
+                                b + 1 == buckets_.size());
     stats_ += bucket.native_allreduce ? allreduce_natively(b)
                                       : bucket.exchange.run(values, codec_, transport_,
                                                             {group_, iteration, static_cast<std::uint32_t>(b), options_.timeout});
     const auto started = std::chrono::steady_clock::now();
     finish_bucket(b);
+    stats_.compute += std::chrono::steady_clock::now() - started;
+  }
+
+  // Copies bucket `b`'s gradients into its buffer (nothing to do for a bucket reduced in place;
+  // never over a device transport, whose packing waits for ready()'s marks).
+  void pack_bucket(std::size_t b) {
+    if (buckets_[b].in_place) return;
+    const auto started = std::chrono::steady_clock::now();
+    std::visit([&](auto values) { gradients_.pack(b, std::span<const GradId>(plan_.buckets[b]), values); },
+               buckets_[b].values);
     stats_.compute += std::chrono::steady_clock::now() - started;
   }
 
@@ -484,39 +564,45 @@ class Synchronizer {
     }
   }
 
-  // Hands this iteration's timings to the bucketing policy and, when due, agrees a new plan.
-  void end_iteration(std::uint64_t iteration) {
-    stats_.iteration = iteration;
-    stats_.buckets = buckets_.size();
-    if (gradients_.size() > 0) stats_.after_last_ready = std::chrono::steady_clock::now() - gradients_.last_ready();
-    std::optional<BucketPlan> proposal = bucketing_.end_iteration(gradients_.profile(iteration, &options_.log));
-    if (!bucketing_.agreement_due(iteration)) return;
-    {
-      std::lock_guard lock(mutex_);
-      idle_ = false;
-    }
-    BucketPlan plan = engine::agree_on_plan(control_, iteration, proposal ? *proposal : plan_);
-    if (plan != plan_) install(std::move(plan));
+  // In wait(), every bucket done: hands this iteration's timings to the bucketing policy and, when
+  // due, agrees a new plan (the serial walk's thread is idle until next_iteration()).
+  void end_iteration() {
+    failing_on_error("plan agreement", [&] {
+      const std::uint64_t iteration = iteration_.load();
+      stats_.iteration = iteration;
+      stats_.buckets = buckets_.size();
+      if (gradients_.size() > 0) stats_.after_last_ready = std::chrono::steady_clock::now() - gradients_.last_ready();
+      std::optional<BucketPlan> proposal = bucketing_.end_iteration(gradients_.profile(iteration, &options_.log));
+      if (!bucketing_.agreement_due(iteration)) return;
+      BucketPlan plan = engine::agree_on_plan(control_, iteration, proposal ? *proposal : plan_);
+      if (plan != plan_) install(std::move(plan));
+    });
   }
 
-  // Called with the lock held once the iteration is done.
+  // Readies the next iteration, and releases the serial walk's thread into it.
   void next_iteration(std::chrono::nanoseconds exposed) {
     last_stats_ = stats_;
     last_stats_.exposed = exposed;
     stats_ = {};
     gradients_.next_iteration();
+    {
+      std::lock_guard lock(start_mutex_);
+      next_bucket_ = 0;
+      late_reported_ = false;
+    }
+    std::lock_guard lock(mutex_);
+    walked_ = false;
     iteration_.fetch_add(1);
-    done_ = false;
-    ++generation_;
     work_cv_.notify_all();
   }
 
   // Records the first failure, makes the other ranks fail fast (unless they already know), and
   // wakes everyone. The first failure is kept before the transport is aborted, because the abort
   // makes this rank's own pending operations fail too, and those secondary errors must not
-  // replace their cause. wait() throws only once the communication thread has returned, and the
-  // thread that aborts returns from abort() before it can: by then the transport holds no buffer
-  // of ours, so nothing reads or writes a gradient after wait() has thrown.
+  // replace their cause. wait() throws only once the serial walk's thread has returned (or the task
+  // graph's threads are quiet), and the thread that aborts returns from abort() before it can: by
+  // then the transport holds no buffer of ours, so nothing reads or writes a gradient after wait()
+  // has thrown.
   void fail(const Error& e, bool tell_peers = true) {
     {
       std::lock_guard lock(mutex_);
@@ -549,7 +635,7 @@ class Synchronizer {
   C codec_;
   T topology_;
   Group group_;
-  engine::ControlChannel<X> control_;  // the communication thread's, for agreements between ranks
+  engine::ControlChannel<X> control_;  // for agreements between ranks, at the first synchronization and in wait()
 
   // The registered gradients, their marks and their timeline. Declared before the buckets, whose
   // exchanges record into the timeline, and the task graph, whose threads do, so that it outlives both.
@@ -557,33 +643,36 @@ class Synchronizer {
   std::function<void(GradId)> update_;  // on_averaged()'s, if set
 
   std::once_flag freeze_once_;
-  std::atomic<bool> started_{false};  // the plan is installed and the communication thread runs
+  std::atomic<bool> started_{false};  // the plan is installed and the first agreements made
   BucketPlan plan_;
   std::vector<Bucket> buckets_;              // by plan position
   std::atomic<std::uint64_t> iteration_{0};   // as the caller counts: bumped by wait()
 
-  // Used by the communication thread only.
+  // Written by whoever packs, starts or runs buckets and by wait(), which follows them all.
   IterationStats stats_;
   std::optional<engine::CostModel> costs_;  // selective compression's agreed costs, once calibrated
   std::string decisions_;                   // its decisions for the plan being installed, for the log
 
+  // Guards the buckets' start: which is next, and its lateness report (and the bucketing policy's
+  // calls from ready()).
+  std::mutex start_mutex_;
+  std::size_t next_bucket_ = 0;  // the next bucket to start, in plan order
+  bool late_reported_ = false;   // ... and its lateness is reported
+
   std::mutex mutex_;
-  std::condition_variable work_cv_;  // wakes the communication thread
+  std::condition_variable work_cv_;  // wakes the serial walk's thread
   std::condition_variable done_cv_;  // wakes wait()
-  bool done_ = false;                // this iteration's buckets are all averaged
-  std::chrono::steady_clock::time_point done_at_;  // ... since then
+  bool walked_ = false;              // the serial walk has run this iteration's buckets
+  std::chrono::steady_clock::time_point walked_at_;  // ... since then
   bool stop_ = false;
-  bool idle_ = false;                // the communication thread is waiting for work
-  bool exited_ = false;              // the communication thread has returned
-  std::uint64_t generation_ = 0;     // bumped by wait(), releases the communication thread
+  bool walker_exited_ = false;  // the serial walk's thread has returned
   std::optional<Error> error_;
   std::atomic<bool> failed_{false};
-  bool task_graph_failed_ = false;  // the task graph reported a failure (guarded by mutex_)
   IterationStats last_stats_;
 
-  // Declared after the buckets its threads work on, so that it stops before they go.
+  // Declared after the buckets their threads work on, so that they stop before the buckets go.
   std::unique_ptr<engine::TaskGraph<C, X>> task_graph_;
-  std::thread thread_;
+  std::thread walker_;  // the serial executor's
 };
 
 // Outside the class, so not inline: a program's calls reach the engine only through here, and
@@ -599,15 +688,18 @@ void Synchronizer<B, C, T, X>::freeze() {
     if (options_.executor == Executor::task_graph && !OrderMatchedTransport<X> && !DeviceAllreduce<X>)
       task_graph_ = std::make_unique<engine::TaskGraph<C, X>>(
           transport_, codec_, group_, options_.compute_threads, options_.timeout,
-          typename engine::TaskGraph<C, X>::Hooks{.bucket_done = [this](std::uint32_t b) { finish_bucket(b); },
-                                                  .failed = [this] {
-                                                    std::lock_guard lock(mutex_);
-                                                    task_graph_failed_ = true;
-                                                    work_cv_.notify_all();
-                                                  }},
+          typename engine::TaskGraph<C, X>::BucketTasks{.pack = [this](std::uint32_t b) { pack_bucket(b); },
+                                                        .copy_back = [this](std::uint32_t b) { finish_bucket(b); }},
           options_.coordination, options_.spin_before_sleep, gradients_.timeline());
     install(bucketing_.initial_plan(gradients_.layout()));
-    thread_ = std::thread([this] { communicate_then_exit(); });
+    try {
+      agree_before_first_bucket();
+    } catch (const Error& e) {
+      fail(e, e.kind() != ErrorKind::mismatch);
+    } catch (const std::exception& e) {
+      fail(Error(ErrorKind::internal, here("first synchronization"), e.what()));
+    }
+    if (!task_graph_ && !failed_.load(std::memory_order_acquire)) walker_ = std::thread([this] { walk(); });
     started_.store(true, std::memory_order_release);
   });
 }

@@ -49,7 +49,8 @@ class Timeline {
  public:
   enum class Kind : std::uint8_t { ready, wait, bucket, encode, decode, average, send, recv, allreduce, handoff };
   // The ways work goes from one thread to another (Kind::handoff's detail):
-  //   synchronizer    a bucket's last gradient marked ready -> the Synchronizer's thread packs it
+  //   synchronizer    a bucket's last gradient marked ready -> the serial walk's thread packs it
+  //                   (on the task graph the ready() that completes a bucket starts it itself)
   //   compute         a task -> a task graph compute thread
   //   communication   a transfer (or a task the communication thread runs) -> that thread
   //   completion      a transfer the transport's thread finished -> the communication thread
@@ -230,9 +231,9 @@ class Timeline {
   }
 
   // A name for each thread's track, from what it recorded: the trainer's threads mark gradients
-  // ready and wait; of gradsync's own, the task graph's compute threads encode, decode and
-  // average, its communication thread completes transfers, and the serial executor's thread does
-  // both.
+  // ready and wait (and, driving the task graph from wait(), may encode, decode and transfer too);
+  // of gradsync's own, the task graph's compute threads encode, decode and average, its
+  // communication thread completes transfers, and the serial executor's thread does both.
   void write_thread_names(fmt::memory_buffer& out, std::size_t n) const {
     std::vector<std::pair<std::uint32_t, unsigned>> kinds;  // (lane, kinds it recorded as bits)
     for (std::size_t i = 0; i < n; ++i) {

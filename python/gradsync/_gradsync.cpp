@@ -135,10 +135,16 @@ class Synchronizer {
     return id;
   }
 
-  void ready(gs::GradId id) { sync_->ready(id); }
+  // Without the GIL: the first ready() (or wait()) waits for every rank's first, and a ready()
+  // packs and starts the buckets it completes, while Python's other threads may run.
+  void ready(gs::GradId id) {
+    py::gil_scoped_release unlocked;
+    sync_->ready(id);
+  }
   void ready_named(const std::string& name) {
     const auto found = ids_.find(name);
     if (found == ids_.end()) throw py::key_error(fmt::format("no gradient is named {:?}", name));
+    py::gil_scoped_release unlocked;
     sync_->ready(found->second);
   }
 
@@ -146,7 +152,10 @@ class Synchronizer {
     py::gil_scoped_release unlocked;
     sync_->wait();
   }
-  bool try_wait() { return sync_->try_wait(); }
+  bool try_wait() {
+    py::gil_scoped_release unlocked;
+    return sync_->try_wait();
+  }
 
   int rank() const { return sync_->rank(); }
   int size() const { return sync_->size(); }

@@ -2,9 +2,10 @@
 // engine::TaskGraph — runs buckets' schedules as dependency graphs of tasks, on two kinds of
 // queue served by their own threads (the scheduling of HiPress's CaSync, seed 001):
 //
-//   compute         encode, decode-and-add, decode, average, and each bucket's epilogue (the
-//                   Synchronizer's copy back into the gradients); served by `compute_threads`
-//                   worker threads.
+//   compute         encode, decode-and-add, decode, average, and each bucket's first and last
+//                   tasks (BucketTasks: the Synchronizer's pack of its gradients into the bucket's
+//                   buffer, where the caller did not pack it, and its copy back); served by
+//                   `compute_threads` worker threads.
 //   communication   sends and receives; one thread posts them to the transport as they become
 //                   ready, hears of their completion from the transport (CompletionSink) and
 //                   enforces their deadlines. The bytes move on the transport's own threads.
@@ -76,9 +77,13 @@ namespace gradsync::engine {
 template <CompressionPolicy C, TransportPolicy X>
 class TaskGraph final : private transport::CompletionSink {
  public:
-  struct Hooks {
-    std::function<void(std::uint32_t bucket)> bucket_done;  // on a compute thread, after the bucket's last step
-    std::function<void()> failed;  // once, when a task fails; called under the task graph's lock: keep it short
+  // A bucket's first and last tasks, which the bucket's owner (the Synchronizer) knows how to do:
+  // `pack` fills its buffer before its first step, where start() was told so; `copy_back` runs
+  // after its last step (the epilogue). Each runs on whichever thread takes the task, without the
+  // lock; what it throws fails the iteration like any task's failure.
+  struct BucketTasks {
+    std::function<void(std::uint32_t bucket)> pack;
+    std::function<void(std::uint32_t bucket)> copy_back;
   };
 
   // The largest piece (in bytes of values) whose compute runs on the communication thread, and
@@ -90,14 +95,14 @@ class TaskGraph final : private transport::CompletionSink {
   // `spin`: how long a thread that runs out of work polls for more before it sleeps
   // (Options::spin_before_sleep). `timeline`, if given, gets the hand-offs between threads.
   TaskGraph(X& transport, const C& codec, const Group& group, int compute_threads, std::chrono::milliseconds timeout,
-            Hooks hooks, Coordination coordination = {}, std::chrono::microseconds spin = {},
+            BucketTasks bucket_tasks, Coordination coordination = {}, std::chrono::microseconds spin = {},
             Timeline* timeline = nullptr)
       : transport_(transport),
         codec_(codec),
         group_(group),
         timeout_(timeout),
         spin_(spin),
-        hooks_(std::move(hooks)),
+        bucket_tasks_(std::move(bucket_tasks)),
         timeline_(timeline) {
     if (coordination.enabled && group.size() > 1)
       channel_.emplace(transport, group, coordination, static_cast<transport::CompletionSink*>(this),
@@ -137,7 +142,7 @@ class TaskGraph final : private transport::CompletionSink {
     std::size_t steps = 0, transfers = 0;
     for (std::size_t b = 0; b < exchanges.size(); ++b) {
       transfers += jobs_[b].install(exchanges[b], static_cast<std::uint32_t>(b), this);
-      steps += jobs_[b].steps() + 1;
+      steps += jobs_[b].steps() + 2;  // with its epilogue and prologue
     }
     if (channel_) {
       sends_to_.assign(group_.members.size(), 0);
@@ -162,25 +167,37 @@ class TaskGraph final : private transport::CompletionSink {
   }
 
   // Starts bucket `bucket` of the installed plan on `values` (which must stay alive and untouched
-  // until await_iteration() returns). `awaits_next`: the caller calls await_iteration() next, with
-  // nothing in between, so where the communication thread has nothing else in hand the bucket's
-  // first steps wait for the caller to drive them (the top of this file) instead of waking it.
-  void start(std::uint32_t bucket, BucketValues values, std::uint64_t iteration, bool awaits_next = false) {
+  // until await_iteration() returns). `packed`: the caller has filled `values` (or the bucket needs
+  // no packing); otherwise the bucket's pack task comes first, on a compute thread. `awaits_next`:
+  // the caller calls await_iteration() next, with little in between, so where the communication
+  // thread has nothing else in hand the bucket's first steps wait for the caller to drive them
+  // (the top of this file) instead of waking it.
+  void start(std::uint32_t bucket, BucketValues values, std::uint64_t iteration, bool packed,
+             bool awaits_next = false) {
     std::lock_guard lock(mutex_);
     if (failed_) return;  // await_iteration() reports why
     Job& job = jobs_[bucket];
     job.restart(values, iteration);
     ++running_buckets_;
     iteration_active_ = true;
-    const bool leave_for_caller = awaits_next && !channel_ && !communicating_ && !has_communication_work();
-    quiet_ = leave_for_caller;
-    if (job.left == 0) {
-      make_ready(bucket, job.steps());  // nothing to exchange: straight to the epilogue
-    } else {
-      for (std::uint32_t s = 0; s < job.waiting.size(); ++s)
-        if (job.waiting[s] == 0) make_ready(bucket, s);
-    }
+    if (!packed) return make_ready(bucket, job.prologue());
+    quiet_ = awaits_next && !channel_ && !communicating_ && !has_communication_work();
+    release_first_steps(bucket);
     quiet_ = false;
+  }
+
+  // Whether await_iteration() would return (or throw) at once. A caller that polls this instead
+  // of waiting does not drive, so work start() left for the caller goes to the communication
+  // thread here.
+  bool iteration_over() {
+    std::lock_guard lock(mutex_);
+    if (quiet_after_failure()) return true;
+    if (failed_ || running_buckets_ > 0 || report_finished_ || reports_pending_ ||
+        (coordinating() && !everyone_finished())) {
+      if (!driven_ && !communicating_ && has_communication_work()) communication_cv_.notify_one();
+      return false;
+    }
+    return true;
   }
 
   // Blocks until every started bucket is done, its epilogue included, and returns what the
@@ -257,7 +274,10 @@ class TaskGraph final : private transport::CompletionSink {
       heap.push_back(task);
       std::push_heap(heap.begin(), heap.end(), std::greater<>{});
     };
-    if (step < job.steps() && is_transfer(job.exchange->schedule().steps[step].op)) {
+    if (step == job.prologue()) {
+      queue(compute_ready_);  // a small bucket is packed by the caller itself (start's `packed`)
+      wake_compute();
+    } else if (step < job.steps() && is_transfer(job.exchange->schedule().steps[step].op)) {
       queue(communication_ready_);
       wake_communication();
     } else if (step < job.steps() && job.exchange->added_on_receive(step)) {
@@ -279,11 +299,21 @@ class TaskGraph final : private transport::CompletionSink {
     return elements * value_bytes(job.values) <= short_path_bytes;
   }
 
-  // Task done: its successors may become ready; the bucket's last step readies its epilogue, and
-  // the epilogue ends the bucket.
+  // With the lock held: bucket `bucket`'s values are packed, so the steps that depend on nothing
+  // are ready (or, with nothing to exchange, the epilogue).
+  void release_first_steps(std::uint32_t bucket) {
+    Job& job = jobs_[bucket];
+    if (job.left == 0) return make_ready(bucket, job.steps());
+    for (std::uint32_t s = 0; s < job.steps(); ++s)
+      if (job.waiting[s] == 0) make_ready(bucket, s);
+  }
+
+  // Task done: its successors may become ready; the bucket's pack readies its first steps, its last
+  // step readies its epilogue, and the epilogue ends the bucket.
   void done(std::uint64_t task) {
     const std::uint32_t bucket = bucket_of(task), step = step_of(task);
     Job& job = jobs_[bucket];
+    if (step == job.prologue()) return release_first_steps(bucket);
     if (step == job.steps()) {
       if (--running_buckets_ == 0) {
         last_done_at_ = Clock::now();
@@ -310,7 +340,6 @@ class TaskGraph final : private transport::CompletionSink {
     error_ = std::move(e);
     wake_all();
     done_cv_.notify_all();
-    if (hooks_.failed) hooks_.failed();
   }
 
   // With the lock held: there is work for a compute thread, for the communication thread, or
@@ -402,25 +431,28 @@ class TaskGraph final : private transport::CompletionSink {
   // where another thread queued it, and counts as queued time for a compute task.
   void took(Timeline::Queue queue, std::uint64_t task, Clock::time_point now) {
     const Job& job = jobs_[bucket_of(task)];
-    if (step_of(task) == job.steps() || !is_transfer(job.exchange->schedule().steps[step_of(task)].op))
+    if (step_of(task) >= job.steps() || !is_transfer(job.exchange->schedule().steps[step_of(task)].op))
       stats_.queued += now - job.ready_at[step_of(task)];
     if (timeline_ && job.queued_by[step_of(task)] != std::this_thread::get_id())
       timeline_->handed_off(queue, job.ready_at[step_of(task)], bucket_of(task));
   }
 
-  // Runs compute task `task` (or the bucket's epilogue), without the lock; returns its failure.
+  // Runs compute task `task` (or the bucket's pack or epilogue), without the lock; returns its failure.
   std::optional<Error> compute(std::uint64_t task) {
     const std::uint32_t bucket = bucket_of(task), step = step_of(task);
     Job& job = jobs_[bucket];
     try {
-      if (step == job.steps())
-        hooks_.bucket_done(bucket);
+      if (step == job.prologue())
+        bucket_tasks_.pack(bucket);
+      else if (step == job.steps())
+        bucket_tasks_.copy_back(bucket);
       else
         std::visit([&](auto values) { job.exchange->compute(step, values, codec_); }, job.values);
     } catch (const Error& e) {
-      return step == job.steps()
-                 ? e.filled({.rank = group_.members[group_.rank], .bucket = bucket, .operation = "copy back"})
-                 : job.exchange->located(e, step, context(job, bucket));
+      return step >= job.steps() ? e.filled({.rank = group_.members[group_.rank],
+                                             .bucket = bucket,
+                                             .operation = step == job.prologue() ? "pack" : "copy back"})
+                                 : job.exchange->located(e, step, context(job, bucket));
     } catch (const std::exception& e) {
       return Error(ErrorKind::internal, {.rank = group_.members[group_.rank], .bucket = bucket, .operation = "compute"},
                    e.what());
@@ -798,7 +830,7 @@ class TaskGraph final : private transport::CompletionSink {
   const Group& group_;
   std::chrono::milliseconds timeout_;
   std::chrono::microseconds spin_;
-  Hooks hooks_;
+  BucketTasks bucket_tasks_;
 
   std::mutex mutex_;
   std::condition_variable compute_cv_;

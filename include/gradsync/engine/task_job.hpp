@@ -1,7 +1,8 @@
 #pragma once
 // engine::TaskJob — one bucket of the task graph (task_graph.hpp): its exchange, its dependency
 // graph and the per-step state of the iteration it is running. Tasks are named by one id, the
-// bucket in the high half and the step in the low; step steps() is the bucket's epilogue.
+// bucket in the high half and the step in the low; step steps() is the bucket's epilogue and
+// steps() + 1 its prologue (the pack of its values, where the caller did not do it).
 
 #include <algorithm>
 #include <chrono>
@@ -27,7 +28,7 @@ struct TaskJob {
   Exchange* exchange = nullptr;
   Dependencies graph;
   std::vector<std::uint32_t> waiting;       // per step: dependencies not yet done
-  std::vector<Clock::time_point> ready_at;  // per task (and the epilogue): when it was queued;
+  std::vector<Clock::time_point> ready_at;  // per task (and the epilogue, the prologue): when it was queued;
                                             // per coordinated send: when it was reported
   std::vector<std::thread::id> queued_by;   // ... and by which thread
   std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
@@ -37,6 +38,7 @@ struct TaskJob {
   std::uint64_t iteration = 0;
 
   std::uint32_t steps() const noexcept { return static_cast<std::uint32_t>(waiting.size()); }
+  std::uint32_t prologue() const noexcept { return steps() + 1; }
 
   // Takes bucket `bucket`'s exchange of a new plan: its graph, per-step state sized, and each of its
   // transfers reporting its completion to `sink` under its task id. Returns how many transfers it has.
@@ -45,8 +47,8 @@ struct TaskJob {
     const auto& list = exchange->schedule().steps;
     graph = dependencies_of(exchange->schedule());
     waiting.resize(list.size());
-    ready_at.resize(list.size() + 1);
-    queued_by.resize(list.size() + 1);
+    ready_at.resize(list.size() + 2);
+    queued_by.resize(list.size() + 2);
     settled.resize(list.size());
     held.assign(list.size(), 0);
     std::size_t transfers = 0;
