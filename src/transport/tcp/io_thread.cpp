@@ -306,18 +306,30 @@ void TcpEngine::fail_peer(int peer, const Error& e) {
 // An abort notice from `peer`: it has given up, and with it the job. A peer this rank waits for
 // but has no connection to yet (connections come as the algorithms first need them) could never
 // say so itself, nor could anyone else but through a notice like this one: its operations fail now
-// too, rather than at their deadline.
+// too, rather than at their deadline. Then this rank gives up as well and passes the notice on to
+// every peer it is connected to, as abort() would: it may have nothing pending with `peer` while
+// another rank waits, through it, for one that never connected to anyone (a 3-rank ring whose
+// rank 1 fails before its first send: rank 0 waits on rank 2, rank 2 on rank 1), and the job is
+// over either way. The layer above meets the failure in its pending operations; its own abort()
+// then finds this one under way.
 void TcpEngine::notice_heard(int peer, const Error& e) {
   fail_peer(peer, e);
-  std::lock_guard lock(mutex_);
-  for (std::size_t other = 0; other < peers_.size(); ++other) {
-    Peer& p = peers_[other];
-    if (!p.connections.empty() || p.failure || (p.receives.empty() && p.unsent.empty())) continue;
-    const int waited_for = static_cast<int>(other);
-    fail_pending(p, Error(ErrorKind::peer_failed, where(waited_for, "connection"),
-                          fmt::format("{} (while this rank waited for rank {} to connect)", e.detail(), waited_for))
-                        .with_origin(*e.origin()));
+  {
+    std::lock_guard lock(mutex_);
+    for (std::size_t other = 0; other < peers_.size(); ++other) {
+      Peer& p = peers_[other];
+      if (!p.connections.empty() || p.failure || (p.receives.empty() && p.unsent.empty())) continue;
+      const int waited_for = static_cast<int>(other);
+      fail_pending(p, Error(ErrorKind::peer_failed, where(waited_for, "connection"),
+                            fmt::format("{} (while this rank waited for rank {} to connect)", e.detail(), waited_for))
+                          .with_origin(*e.origin()));
+    }
+    if (aborted_) return;
+    aborted_ = e;
+    abort_done_ = std::make_shared<std::promise<void>>();
+    aborted_closed_ = abort_done_->get_future().share();
   }
+  begin_abort();
 }
 
 // From a caller's thread: fail_peer on the io thread, and back once it is done.
