@@ -39,7 +39,11 @@
 // does the passes itself until the iteration ends: the last receive, add and epilogue then run on
 // the thread that waits for them, as in Gloo, where a collective runs on its caller's thread,
 // instead of ending with a wake-up of that thread. Not with coordination, whose channel is the
-// communication thread's.
+// communication thread's. The iteration's last bucket, where nothing started after it could hide
+// under it and it has nothing of its own to hide (small, or an identity codec), the waiter does
+// not even queue: it walks its steps in list order (BucketExchange::run, the serial executor's
+// walk; walks_on_caller()), while the queues carry on with the buckets still in flight. Which
+// buckets are walked follows from the plan alone, so it is the same on every rank.
 //
 // Every hand-off between threads is on the timeline (Timeline::Kind::handoff: which queue, how
 // long the work waited), so a trace shows how many a bucket took.
@@ -180,6 +184,12 @@ class TaskGraph final : private transport::CompletionSink {
     job.restart(values, iteration);
     ++running_buckets_;
     iteration_active_ = true;
+    if (awaits_next && walks_on_caller(job)) {
+      job.walked = true;  // await_iteration() walks it; its transfers' reports are not the graph's
+      walk_pending_ = bucket;
+      walk_packed_ = packed;
+      return;
+    }
     if (!packed) return make_ready(bucket, job.prologue());
     quiet_ = awaits_next && !channel_ && !communicating_ && !has_communication_work();
     release_first_steps(bucket);
@@ -192,6 +202,11 @@ class TaskGraph final : private transport::CompletionSink {
   bool iteration_over() {
     std::lock_guard lock(mutex_);
     if (quiet_after_failure()) return true;
+    if (walk_pending_) {  // the caller polls instead of walking: the queues take the bucket
+      const std::uint32_t bucket = *std::exchange(walk_pending_, std::nullopt);
+      jobs_[bucket].walked = false;
+      walk_packed_ ? release_first_steps(bucket) : make_ready(bucket, jobs_[bucket].prologue());
+    }
     if (failed_ || running_buckets_ > 0 || report_finished_ || reports_pending_ ||
         (coordinating() && !everyone_finished())) {
       if (!driven_ && !communicating_ && has_communication_work()) communication_cv_.notify_one();
@@ -210,6 +225,7 @@ class TaskGraph final : private transport::CompletionSink {
     const auto over = [&] {
       return (running_buckets_ == 0 && !report_finished_ && !reports_pending_) || quiet_after_failure();
     };
+    if (walk_pending_) walk_on_caller(lock);
     if (!channel_) drive_until(lock, over);
     done_cv_.wait(lock, over);
     if (timeline_ && iteration_active_ && !failed_ && last_done_by_ != std::this_thread::get_id())
@@ -297,6 +313,57 @@ class TaskGraph final : private transport::CompletionSink {
                                      ? std::visit([](auto values) { return values.size(); }, job.values)
                                      : job.exchange->schedule().steps[step].range.size();
     return elements * value_bytes(job.values) <= short_path_bytes;
+  }
+
+  // Whether a bucket started with `awaits_next` is walked by the caller in await_iteration(), in
+  // list order on its own thread (BucketExchange::run, the serial executor's walk) rather than
+  // through the queues. Nothing started after it could hide under it, so the queues pay off only
+  // where its own encodes hide under its own transfers: not for a bucket small enough for the
+  // short path (latency-bound), nor with an identity codec (nothing to encode; its adds follow
+  // their receives in list order). Decided by the plan alone (the codec, the bucket's size and
+  // place), so every rank walks the same buckets. Not with coordination, whose grants the walk
+  // would not wait for, nor over a device transport, whose stream the graph's tasks share.
+  bool walks_on_caller(const Job& job) const {
+    if constexpr (DeviceTransport<X>) return false;
+    if (channel_) return false;
+    const std::size_t bytes = std::visit([](auto values) { return values.size_bytes(); }, job.values);
+    return C::identity || bytes <= short_path_bytes;
+  }
+
+  // With the lock held, and held again on return: walks the bucket start() left for the caller
+  // (walks_on_caller()), its pack and copy back included, then ends it like any other.
+  void walk_on_caller(std::unique_lock<std::mutex>& lock) {
+    const std::uint32_t bucket = *std::exchange(walk_pending_, std::nullopt);
+    Job& job = jobs_[bucket];
+    if (failed_) return done(task_id(bucket, job.steps()));  // await_iteration() throws the failure
+    walking_ = true;
+    // The walk's transfers are in flight for as long as it runs: its span counts as the graph's.
+    if (in_flight_++ == 0) in_flight_since_ = Clock::now();
+    lock.unlock();
+    std::optional<Error> error;
+    ExchangeStats walked;
+    const auto in_bucket = [&](const char* operation) {
+      return ErrorContext{.rank = group_.members[group_.rank], .bucket = bucket, .operation = operation};
+    };
+    try {
+      if (!walk_packed_) bucket_tasks_.pack(bucket);
+      walked = std::visit([&](auto values) { return job.exchange->run(values, codec_, transport_, context(job, bucket)); },
+                          job.values);
+      const auto started = Clock::now();
+      bucket_tasks_.copy_back(bucket);
+      walked.compute += Clock::now() - started;
+    } catch (const Error& e) {
+      error = e.filled(in_bucket("walk"));
+    } catch (const std::exception& e) {  // a codec's or a policy's own exception
+      error = Error(ErrorKind::internal, in_bucket("compute"), e.what());
+    }
+    lock.lock();
+    walking_ = false;
+    if (--in_flight_ == 0) stats_.in_flight += Clock::now() - in_flight_since_;
+    job.walked = false;
+    stats_ += walked;
+    if (error) return fail(std::move(*error));
+    done(task_id(bucket, job.steps()));
   }
 
   // With the lock held: bucket `bucket`'s values are packed, so the steps that depend on nothing
@@ -391,7 +458,7 @@ class TaskGraph final : private transport::CompletionSink {
     }
   }
 
-  bool quiet_after_failure() const { return failed_ && running_compute_ == 0 && !communicating_; }
+  bool quiet_after_failure() const { return failed_ && running_compute_ == 0 && !communicating_ && !walking_; }
 
   bool coordinating() const { return channel_ && group_.rank == 0; }
   bool everyone_finished() const { return finished_everywhere_ > iterations_; }
@@ -483,6 +550,7 @@ class TaskGraph final : private transport::CompletionSink {
     const bool handed = std::this_thread::get_id() != communicator();
     std::lock_guard lock(mutex_);
     if (failed_ || completions_.size() == completions_.capacity()) return;
+    if (bucket_of(task) != control_job && jobs_[bucket_of(task)].walked) return;  // the walk waits for it itself
     completions_.push_back({task, Clock::now(), handed});
     wake_communication();
   }
@@ -854,7 +922,7 @@ class TaskGraph final : private transport::CompletionSink {
   std::uint32_t last_done_bucket_ = 0;
   std::size_t running_compute_ = 0;
   bool communicating_ = false;  // the communication thread is working outside the lock
-  std::size_t in_flight_ = 0;
+  std::size_t in_flight_ = 0;  // transfers posted and not yet finished, a walk on the caller counting as one
   Clock::time_point in_flight_since_;
   bool failed_ = false;
   bool stopping_ = false;
@@ -880,6 +948,9 @@ class TaskGraph final : private transport::CompletionSink {
   bool driven_ = false;
   bool wants_role_ = false;
   bool quiet_ = false;  // start(awaits_next): what it readies waits for the caller, who drives next
+  std::optional<std::uint32_t> walk_pending_;  // start(awaits_next) left this bucket for the caller's walk
+  bool walk_packed_ = false;                   // ... packed already
+  bool walking_ = false;                       // the caller walks it, outside the lock
   std::condition_variable driver_cv_;
   // The short path's reading (read_own_frames): the communication thread is in the transport
   // reading its own frames; raising the interrupt brings it back.

@@ -34,6 +34,7 @@ struct TaskJob {
   std::vector<std::uint8_t> settled;        // per transfer: its completion has been taken
   std::vector<std::uint8_t> held;           // per send: waiting for the coordinator's grant
   std::uint32_t left = 0;                   // steps not yet done
+  bool walked = false;                      // this iteration it is walked in list order by the caller
   BucketValues values;
   std::uint64_t iteration = 0;
 
