@@ -25,7 +25,7 @@ gradsync() {  # NAME BUILD N [ARGS...]
   shift 3
   echo "== $name, $n ranks, round $round"
   timeout 900 tools/gradsync-run -n "$n" "$build/bench/allreduce" --transport tcp --local-transport tcp \
-    --topology auto "${sizes[@]}" --json "$here/$name-$n-$round.json" "$@" 2>&1 | grep -E "^\[0\]  "
+    --topology auto "${sizes[@]}" --json "$here/$name-$n-$round.json" "$@" 2>&1 | grep -E "^\[0\]  |rror"
 }
 for n in "${ranks[@]}"; do
   for round in $(seq 1 "$rounds"); do
