@@ -335,7 +335,10 @@ class TaskGraph final : private transport::CompletionSink {
   void walk_on_caller(std::unique_lock<std::mutex>& lock) {
     const std::uint32_t bucket = *std::exchange(walk_pending_, std::nullopt);
     Job& job = jobs_[bucket];
-    if (failed_) return done(task_id(bucket, job.steps()));  // await_iteration() throws the failure
+    if (failed_) {  // await_iteration() throws the failure
+      job.walked = false;
+      return done(task_id(bucket, job.steps()));
+    }
     walking_ = true;
     // The walk's transfers are in flight for as long as it runs: its span counts as the graph's.
     if (in_flight_++ == 0) in_flight_since_ = Clock::now();
