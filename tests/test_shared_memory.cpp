@@ -17,6 +17,7 @@
 #include <random>
 #include <thread>
 
+#include "allocation_count.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/routed.hpp"
 #include "gradsync/transport/shared_memory.hpp"
@@ -245,6 +246,43 @@ TEST_SUITE("shared_memory") {
                                    topology::Hierarchical{.chunk_elements = 4096}, -1);
     allreduce_everywhere_identical("ef-two-bit, one bucket in the arena", compression::ErrorFeedback<compression::TwoBit>{},
                                    topology::Hierarchical{.chunk_elements = 4096}, -1, one_bucket);
+  }
+
+  TEST_CASE("the per-step path over shared memory allocates nothing") {
+    // Each process counts its own allocations (every thread of it: the completion thread too) over
+    // ten steps after three of warm-up: per-tensor buckets reduced in the caller's memory, and one
+    // bucket in the arena whose receives add on arrival, with a codec of error feedback.
+    const auto steps_allocate = [](auto& sync, const std::vector<std::size_t>& sizes, int rank) -> std::string {
+      std::vector<std::vector<float>> grads;
+      for (std::size_t s : sizes) grads.push_back(test::random_values(s, static_cast<std::uint64_t>(rank)));
+      for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
+      const auto step = [&] {
+        for (std::size_t g = sizes.size(); g-- > 0;) sync.ready(static_cast<GradId>(g));
+        sync.wait();
+      };
+      for (int i = 0; i < 3; ++i) step();  // the plan is agreed after the first
+      test::allocation_count::start();
+      for (int i = 0; i < 10; ++i) step();
+      const std::size_t counted = test::allocation_count::stop();
+      return counted == 0 ? "ok" : fmt::format("{} allocations in ten steps", counted);
+    };
+    constexpr int n = 4;
+    const std::vector<std::size_t> sizes{7, 40, 500, 3000, 70001};
+    const std::string ring_job = fresh_job(), arena_job = fresh_job();
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, SharedMemory> ring(
+          SharedMemory(options(rank, n, ring_job)), {.timeout = 30s}, {}, {}, {.chunk_elements = 4096});
+      const std::string per_tensor = steps_allocate(ring, sizes, rank);
+      Synchronizer<bucketing::FixedSize, compression::ErrorFeedback<compression::TwoBit>, topology::Hierarchical,
+                   SharedMemory>
+          arena(SharedMemory(options(rank, n, arena_job)), {.timeout = 30s}, one_bucket, {},
+                {.ranks_per_machine = 2, .chunk_elements = 4096});
+      const std::string in_arena = steps_allocate(arena, sizes, rank);
+      return per_tensor == "ok" && in_arena == "ok" ? "ok" : fmt::format("ring, per tensor: {}; hierarchical, "
+                                                                         "one bucket in the arena: {}", per_tensor,
+                                                                         in_arena);
+    });
+    for (int r = 0; r < n; ++r) CHECK_MESSAGE(results[static_cast<std::size_t>(r)].ok(), r, ": ", results[static_cast<std::size_t>(r)].report);
   }
 
   TEST_CASE("the segment's lock and condition outlive a process killed holding or waiting on them") {

@@ -1,22 +1,21 @@
 // The Synchronizer end to end, over in-process ranks: averages, agreement between ranks, errors,
-// and the no-allocation promise of the per-step path.
+// and the no-allocation promise of the per-step path (over Tcp and SharedMemory too: test_tcp.cpp,
+// test_shared_memory.cpp).
 
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <barrier>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <mutex>
-#include <new>
 #include <numeric>
 #include <string>
 #include <string_view>
 #include <thread>
 
+#include "allocation_count.hpp"
 #include "gradsync/gradsync.hpp"
 #include "policies/fixed_point16.hpp"
 #include "support.hpp"
@@ -24,33 +23,6 @@
 using namespace gradsync;
 using namespace std::chrono_literals;
 using transport::InProcess;
-
-// Counts heap allocations while `counting` is set, on every thread. GCC 12 cannot see that the
-// replaced operator new below is malloc and warns that delete's free() mismatches it.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-namespace {
-std::atomic<bool> counting{false};
-std::atomic<std::size_t> allocations{0};
-}  // namespace
-
-void* operator new(std::size_t n) {
-  if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) { return operator new(n); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return operator new(n);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
@@ -995,11 +967,11 @@ TEST_SUITE("synchronizer") {
         };
         for (int i = 0; i < 3; ++i) step();  // warm-up: the plan is agreed after the first
         sync_point.arrive_and_wait();
-        if (sync.rank() == 0) allocations = 0, counting = true;
+        if (sync.rank() == 0) test::allocation_count::start();
         sync_point.arrive_and_wait();
         for (int i = 0; i < 10; ++i) step();
         sync_point.arrive_and_wait();
-        if (sync.rank() == 0) counting = false, counted = allocations.load();
+        if (sync.rank() == 0) counted = test::allocation_count::stop();
         // Tearing down may allocate (withdrawn receives end in Errors): not while rank 0 counts.
         sync_point.arrive_and_wait();
       });

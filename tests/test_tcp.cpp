@@ -17,6 +17,7 @@
 
 #include <fmt/ranges.h>
 
+#include "allocation_count.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "transport/tcp/wire.hpp"  // private to the library: src/
@@ -332,6 +333,36 @@ TEST_SUITE("tcp") {
         for (const auto& r : results) CHECK_MESSAGE(r.ok(), r.report);
       }
     }
+  }
+
+  TEST_CASE("the per-step path over TCP allocates nothing: neither the engine nor the transport's threads") {
+    // Each process counts its own allocations (every thread of it: the io thread, the engine's)
+    // over ten steps after three of warm-up, with the small gradients on the express lane, two
+    // data connections for the pieces of the large one, and coordinated sends.
+    constexpr int n = 3;
+    const std::vector<std::size_t> sizes{7, 40, 500, 3000, 70001};
+    const std::uint16_t port = test::free_port();
+    const auto results = test::run_processes(n, [&](int rank) -> std::string {
+      TcpOptions o = options(rank, n, port);
+      o.connections_per_peer = 2;
+      o.express_lane_bytes = 4096;
+      Synchronizer<bucketing::PerTensor, compression::None, topology::Ring, Tcp> sync(
+          Tcp(o), {.timeout = 30s, .coordination = {.enabled = true, .window = 1, .batch_bytes = 0}}, {}, {},
+          {.chunk_elements = 4096});
+      std::vector<std::vector<float>> grads;
+      for (std::size_t s : sizes) grads.push_back(test::random_values(s, static_cast<std::uint64_t>(rank)));
+      for (std::size_t g = 0; g < sizes.size(); ++g) sync.add("g" + std::to_string(g), view(grads[g]));
+      const auto step = [&] {
+        for (std::size_t g = sizes.size(); g-- > 0;) sync.ready(static_cast<GradId>(g));
+        sync.wait();
+      };
+      for (int i = 0; i < 3; ++i) step();  // the plan is agreed after the first
+      test::allocation_count::start();
+      for (int i = 0; i < 10; ++i) step();
+      const std::size_t counted = test::allocation_count::stop();
+      return counted == 0 ? "ok" : fmt::format("{} allocations in ten steps", counted);
+    });
+    for (int r = 0; r < n; ++r) CHECK_MESSAGE(results[static_cast<std::size_t>(r)].ok(), r, ": ", results[static_cast<std::size_t>(r)].report);
   }
 
   TEST_CASE("dedicated parameter servers over TCP: the workers get their exact average") {

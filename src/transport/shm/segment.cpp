@@ -4,12 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <charconv>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <new>
 #include <random>
-#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -47,19 +47,41 @@ struct ProcStat {
   char state = '?';
   std::uint64_t start_ticks = 0;
 };
+// The completion thread asks this of every peer while steps run, so it reads into the stack and
+// parses in place: no stream, no string.
 std::optional<ProcStat> read_stat(std::int32_t pid) {
-  std::ifstream in(fmt::format("/proc/{}/stat", pid));
-  std::string line;
-  if (!std::getline(in, line)) return std::nullopt;
+  char path[32];
+  *fmt::format_to_n(path, sizeof(path) - 1, "/proc/{}/stat", pid).out = '\0';
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::array<char, 1024> text;  // pid, a name of at most 64 bytes, then numeric fields
+  ssize_t length;
+  do {
+    length = ::read(fd, text.data(), text.size());
+  } while (length < 0 && errno == EINTR);
+  ::close(fd);
+  if (length <= 0) return std::nullopt;
+  const std::string_view line(text.data(), static_cast<std::size_t>(length));
   const auto close = line.rfind(')');  // the command name may hold spaces and parentheses
-  if (close == std::string::npos) return std::nullopt;
-  std::istringstream fields(line.substr(close + 1));
+  if (close == std::string_view::npos) return std::nullopt;
+  // After the name: " S ppid ...": field 3 is the state, field 22 the start time.
+  std::string_view rest = line.substr(close + 1);
+  const auto next_field = [&rest]() -> std::string_view {
+    const auto begin = rest.find_first_not_of(' ');
+    if (begin == std::string_view::npos) return {};
+    const auto end = rest.find(' ', begin);
+    const std::string_view field = rest.substr(begin, end - begin);
+    rest = end == std::string_view::npos ? std::string_view{} : rest.substr(end);
+    return field;
+  };
   ProcStat stat;
-  std::string skip;
-  fields >> stat.state;
-  for (int field = 4; field < 22; ++field) fields >> skip;
-  fields >> stat.start_ticks;
-  if (!fields) return std::nullopt;
+  const std::string_view state = next_field();
+  if (state.size() != 1) return std::nullopt;
+  stat.state = state[0];
+  for (int field = 4; field < 22; ++field) next_field();
+  const std::string_view start = next_field();
+  if (std::from_chars(start.data(), start.data() + start.size(), stat.start_ticks).ec != std::errc{} || start.empty())
+    return std::nullopt;
   return stat;
 }
 
