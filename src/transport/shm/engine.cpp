@@ -40,6 +40,7 @@ SharedMemoryEngine::SharedMemoryEngine(const SharedMemoryOptions& o)
   free_.reserve(segment_.capacity());
   for (std::uint32_t i = segment_.capacity(); i-- > 0;) free_.push_back(i);
   owners_.assign(segment_.capacity(), nullptr);
+  orphans_.reserve(segment_.capacity());
   peer_gone_.assign(static_cast<std::size_t>(size_), false);
   stopped_since_.assign(static_cast<std::size_t>(size_), Clock::time_point{});
   check_cross_memory_attach();
@@ -481,13 +482,13 @@ void SharedMemoryEngine::walk_done_list(std::uint32_t head, F f) {
 }
 
 void SharedMemoryEngine::fail_orphans() {
-  std::vector<std::pair<std::uint32_t, Request*>> pending;
+  orphans_.clear();
   {
     std::lock_guard lock(pool_mutex_);
     for (std::uint32_t i = 0; i < owners_.size(); ++i)
-      if (owners_[i]) pending.emplace_back(i, owners_[i]);
+      if (owners_[i]) orphans_.emplace_back(i, owners_[i]);
   }
-  for (auto [index, r] : pending) {
+  for (auto [index, r] : orphans_) {
     std::lock_guard settling(settle_mutex_);
     {
       std::lock_guard lock(pool_mutex_);

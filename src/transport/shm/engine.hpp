@@ -28,6 +28,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -176,6 +177,9 @@ class SharedMemoryEngine {
   std::vector<Request*> owners_;  // by record index: the request a pending record belongs to
   std::vector<bool> peer_gone_;
   std::vector<Clock::time_point> stopped_since_;  // the completion thread's: when a peer was first seen stopped
+  // The completion thread's: fail_orphans' list of pending requests, sized with the pool, since a
+  // peer that leaves the job first (its last step done) is noticed while this rank still steps.
+  std::vector<std::pair<std::uint32_t, Request*>> orphans_;
 
   std::mutex local_mutex_;
   bool stopping_ = false;
