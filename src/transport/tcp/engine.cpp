@@ -303,20 +303,40 @@ bool TcpEngine::send_now(Connection& c, Request& r) {
 }
 
 // On the io thread (or the constructing thread, before it exists). A pair connected after this
-// rank gave up on the peer, or on everything, is closed at once.
+// rank gave up on the peer is closed at once. One connected while this rank aborts is kept for the
+// abort notice: the peer has taken the connection as made and, closed without a word, would
+// conclude that this rank exited and tell the others so, in place of the real reason.
 void TcpEngine::attach(PeerSockets set) {
-  std::lock_guard lock(mutex_);
-  Peer& p = peers_[static_cast<std::size_t>(set.peer)];
-  p.dialing = false;
-  if (p.failure || aborted_ || closed_) return;  // the sockets close as `set` goes
-  const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
-  for (auto& s : set.sockets) {
-    const bool express = p.connections.size() == data_sockets;  // the one after the data sockets
-    p.connections.push_back(std::make_unique<Connection>(s.release(), set.peer, express));
+  std::vector<Connection*> owed_notice;
+  {
+    std::lock_guard lock(mutex_);
+    Peer& p = peers_[static_cast<std::size_t>(set.peer)];
+    p.dialing = false;
+    const bool aborting = aborted_ && !closed_;
+    if (closed_ || (p.failure && !aborting)) return;  // the sockets close as `set` goes
+    const auto data_sockets = static_cast<std::size_t>(options_.connections_per_peer);
+    const std::size_t first_new = p.connections.size();
+    for (auto& s : set.sockets) {
+      const bool express = p.connections.size() == data_sockets;  // the one after the data sockets
+      p.connections.push_back(std::make_unique<Connection>(s.release(), set.peer, express));
+    }
+    p.heard = p.said = Clock::now();
+    // begin_abort() has built the notice and counted the sockets it owes one: these are owed too.
+    // Before it runs, it finds them with the others.
+    const bool notice_built = !abort_notice_.empty();
+    for (std::size_t i = first_new; i < p.connections.size(); ++i) {
+      Connection& c = *p.connections[i];
+      watch(c);
+      if (notice_built) {
+        ++notices_due_;
+        c.writing = true;  // nothing else goes on it now
+        owed_notice.push_back(&c);
+      }
+    }
+    if (!aborted_)
+      while (Request* r = p.unsent.pop()) queue_send(p, *r);
   }
-  p.heard = p.said = Clock::now();
-  for (auto& c : p.connections) watch(*c);
-  while (Request* r = p.unsent.pop()) queue_send(p, *r);
+  for (Connection* c : owed_notice) write_abort_notice(*c);
 }
 
 // ---- the epoll set, under the lock ------------------------------------------------------------------
