@@ -164,12 +164,24 @@ class Connector::Impl {
   }
 
   void dial(int peer) {
-    if (closing_) return;
+    if (stopping()) return;
     spawn(dial_peer(peer, Clock::now() + options_.setup_timeout, {}), peer);
+  }
+
+  void stop_connecting(Connector::Settled settled) {
+    winding_down_ = true;
+    error_code ignored;
+    acceptor_.close(ignored);
+    machine_acceptor_.close(ignored);
+    if (connecting_ == 0 || closing_)
+      asio::post(io_, std::move(settled));
+    else
+      on_settled_ = std::move(settled);
   }
 
   void close() {
     closing_ = true;
+    on_settled_ = nullptr;
     error_code ignored;
     acceptor_.close(ignored);
     machine_acceptor_.close(ignored);
@@ -195,6 +207,24 @@ class Connector::Impl {
       throw bad(fmt::format("{} connections per peer; use 1 to 64", options_.connections_per_peer));
     if (options_.token.empty()) throw bad("the job token is empty");
   }
+
+  // No new connections: closing, or winding down (stop_connecting).
+  bool stopping() const noexcept { return closing_ || winding_down_; }
+
+  // Counts a pair's dial or an accepted connection while it is under way; the last to end while
+  // winding down says the connections have settled.
+  class Connecting {
+   public:
+    explicit Connecting(Impl& c) : c_(c) { ++c_.connecting_; }
+    Connecting(const Connecting&) = delete;
+    Connecting& operator=(const Connecting&) = delete;
+    ~Connecting() {
+      if (--c_.connecting_ == 0 && c_.on_settled_) asio::post(c_.io_, std::exchange(c_.on_settled_, nullptr));
+    }
+
+   private:
+    Impl& c_;
+  };
 
   // ---- sockets with deadlines -------------------------------------------------------------------
 
@@ -275,7 +305,7 @@ class Connector::Impl {
   // later fails the peer it was connecting (`peer` -1: the listener).
   void spawn(Task<void> task, int peer) {
     asio::co_spawn(io_, std::move(task), [this, peer](std::exception_ptr e) {
-      if (!e || closing_) return;
+      if (!e || stopping()) return;
       Error error(ErrorKind::internal, where(peer), "unknown failure");
       try {
         std::rethrow_exception(e);
@@ -671,12 +701,16 @@ class Connector::Impl {
   // Opens every socket of the pair with `peer` (a rank above this one, or rank 0's children in the
   // rendezvous); `table`, when not empty, goes first on the first socket.
   Task<void> dial_peer(int peer, Clock::time_point deadline, std::string table) {
+    const Connecting counted(*this);
     const std::string& address = table_[static_cast<std::size_t>(peer)];
     const auto space = address.rfind(' ');
     const std::string host = address.substr(0, space);
     const auto port = static_cast<std::uint16_t>(std::stoi(address.substr(space + 1)));
     PeerSockets set{.peer = peer, .sockets = {}};
     for (std::uint32_t c = 0; c < sockets_per_peer(); ++c) {
+      // Winding down: the peer takes the pair as made only once every socket is in, so a pair
+      // not yet whole is given up rather than finished.
+      if (stopping()) throw Error(ErrorKind::peer_failed, where(peer), "the transport closed before the connection was made");
       set.sockets.push_back(co_await dial_socket(host, port, peer, c, deadline, false));
       if (c == 0 && !table.empty()) {
         const Timed t(*this, set.sockets.back(), deadline);
@@ -724,7 +758,7 @@ class Connector::Impl {
           ec = asio::error::connection_reset;
         }
       }
-      if (closing_) throw Error(ErrorKind::peer_failed, where(peer), "the transport closed before the connection was made");
+      if (stopping()) throw Error(ErrorKind::peer_failed, where(peer), "the transport closed before the connection was made");
       if (ec == asio::error::connection_refused && !retry_refused) {
         const std::string what =
             fmt::format("nothing listens for rank {} at {}:{} any more: its process has exited", peer, host, port);
@@ -850,6 +884,7 @@ class Connector::Impl {
   // One accepted connection: its handshake, whether this rank expects it, and what the
   // rendezvous sends on it (a report to rank 0, or the table from this rank's parent).
   Task<void> admit(tcp::socket s) {
+    const Connecting counted(*this);
     const std::string from = remote_address(s);  // before the handshake, which may close the socket
     Handshake h;
     {
@@ -1022,6 +1057,9 @@ class Connector::Impl {
   Failed on_failed_;
   bool rendezvous_over_ = false;
   bool closing_ = false;
+  bool winding_down_ = false;         // stop_connecting(): no new connections, those under way end
+  std::size_t connecting_ = 0;        // dials and accepted connections under way
+  Connector::Settled on_settled_;     // stop_connecting()'s, until none is under way
   std::optional<Error> fatal_;  // ends the rendezvous
   std::list<std::shared_ptr<Watch>> watches_;  // every step under way, for close()
   std::list<const Timed*> handshaking_;        // accepted connections in their handshake, oldest first
@@ -1034,6 +1072,7 @@ Connector::~Connector() = default;
 std::vector<PeerSockets> Connector::rendezvous() { return impl_->rendezvous(); }
 void Connector::serve(Connected connected, Failed failed) { impl_->serve(std::move(connected), std::move(failed)); }
 void Connector::dial(int peer) { impl_->dial(peer); }
+void Connector::stop_connecting(Settled settled) { impl_->stop_connecting(std::move(settled)); }
 void Connector::close() { impl_->close(); }
 
 }  // namespace gradsync::transport::detail

@@ -52,6 +52,13 @@ class Connector {
   // Connects to `peer`, a rank above this one (the lower rank of a pair dials). On the io thread.
   void dial(int peer);
 
+  // No new connections, on the io thread: the listener closes and no dial starts, but a handshake
+  // already under way runs to its end, and a pair it completes still goes to `connected`. An
+  // aborting rank tells such a pair why (its peer may already count it as made); `settled` runs
+  // once no handshake is left, at once if none was under way.
+  using Settled = std::function<void()>;
+  void stop_connecting(Settled settled);
+
   // No more connections: the listener and every handshake and dial still under way close. On the
   // io thread.
   void close();

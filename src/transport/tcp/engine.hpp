@@ -232,9 +232,10 @@ class TcpEngine {
   std::vector<std::pair<const Request*, int>> readers_;
 
   // Aborting, on the io thread only: the notice every peer gets, the sockets still owed one, the
-  // deadline for all of them, and abort()'s promise.
+  // handshakes still under way, the deadline for all of them, and abort()'s promise.
   std::vector<std::byte> abort_notice_;
   std::size_t notices_due_ = 0;
+  bool connections_settled_ = false;  // no handshake is under way any more (Connector::stop_connecting)
   std::optional<boost::asio::steady_timer> abort_deadline_;
   std::shared_ptr<std::promise<void>> abort_done_;
   std::optional<boost::asio::steady_timer> liveness_timer_;  // on the io thread only

@@ -364,9 +364,14 @@ void TcpEngine::fail_pending(Peer& p, const Error& e) {
 // close. A socket in the middle of a frame cannot carry a notice until the frame ends, so that
 // frame is finished first (its send has failed for the caller, but abort() has not returned, so
 // its buffer is still there); cutting it off would leave that peer only a broken connection and no
-// reason. All of it within abort_linger: then every socket closes, notice or not.
+// reason. A connection whose handshake is under way ends it first: the peer may already count the
+// pair as made, and so is owed a notice too (attach). All of it within abort_linger: then every
+// socket closes, notice or not.
 void TcpEngine::begin_abort() {
-  connector_->close();
+  connector_->stop_connecting([this] {
+    connections_settled_ = true;
+    if (notices_due_ == 0) finish_abort();
+  });
   std::vector<Connection*> between_frames;
   {
     std::lock_guard lock(mutex_);
@@ -394,7 +399,6 @@ void TcpEngine::begin_abort() {
     }
     to_self_.drain([&](Request* r) { fail(*r, *aborted_); });
   }
-  if (notices_due_ == 0) return finish_abort();
   abort_deadline_.emplace(io_, abort_linger);
   abort_deadline_->async_wait([this](const error_code& ec) {
     if (!ec) finish_abort();
@@ -403,7 +407,7 @@ void TcpEngine::begin_abort() {
 }
 
 void TcpEngine::abort_notice_done() {
-  if (notices_due_ > 0 && --notices_due_ == 0) finish_abort();
+  if (notices_due_ > 0 && --notices_due_ == 0 && connections_settled_) finish_abort();
 }
 
 // Closes every socket, which ends every operation still reading or writing a caller's buffer, and
