@@ -2,9 +2,10 @@
 // async::detail::Messages — what the asynchronous parameter server's roles (worker.hpp,
 // server.hpp, period_average.hpp) send and receive, and the one place they post it.
 //
-// Every request this rank posts is one per kind of message, direction and peer (a Site and a
-// group rank), posted again only after its last completion has been handled, so a completion
-// always belongs to the posting it is handled for. Transports report completions into an inbox
+// Every transfer this rank posts (engine::Transfer, as a bucket's exchange posts its own) is one
+// per kind of message, direction and peer (a Site and a group rank), posted again only after its
+// last completion has been handled, so a completion always belongs to the posting it is handled
+// for. Transports report completions into an inbox
 // that the communication thread drains (next()), together with the trainer's wake-ups. Nothing goes
 // to or comes from a peer marked dead; a failure found while posting goes to `left_behind`, the
 // synchronizer's dead-peer policy.
@@ -32,6 +33,7 @@
 #include "gradsync/concepts.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/tag.hpp"
+#include "gradsync/engine/transfer.hpp"
 #include "gradsync/error.hpp"
 #include "gradsync/schedule.hpp"
 #include "gradsync/timeline.hpp"
@@ -74,18 +76,17 @@ class Messages final : private transport::CompletionSink {
         n_(group.size()),
         timeline_(timeline),
         left_behind_(std::move(left_behind)),
-        requests_(static_cast<std::size_t>(sites) * static_cast<std::size_t>(n_)),
-        posted_(requests_.size(), 0),
-        posted_at_(requests_.size(), 0),
+        transfers_(static_cast<std::size_t>(sites) * static_cast<std::size_t>(n_)),
+        posted_(transfers_.size(), 0),
         dead_(static_cast<std::size_t>(n_), 0) {
-    completions_.reserve(requests_.size());
+    completions_.reserve(transfers_.size());
   }
 
   // Where transfers and the roles' compute steps are recorded, if anywhere (set before any post).
   void trace_into(Timeline* timeline) noexcept { timeline_ = timeline; }
   const Group& group() const noexcept { return group_; }
   X& transport() noexcept { return transport_; }
-  std::size_t requests() const noexcept { return requests_.size(); }
+  std::size_t requests() const noexcept { return transfers_.size(); }
 
   bool dead(int peer) const { return dead_[static_cast<std::size_t>(peer)] != 0; }
   void mark_dead(int peer) {
@@ -101,19 +102,20 @@ class Messages final : private transport::CompletionSink {
   void post(Site site, int peer, bool is_send, Kind kind, std::uint64_t sequence, std::span<std::byte> bytes) {
     if (dead(peer)) return;
     const std::size_t i = index(site, peer);
-    requests_[i].report_to(this, i);
+    engine::Transfer<X>& transfer = transfers_[i];
+    transfer.request().report_to(this, i);
     const std::uint64_t tag = engine::control_tag(sequence, engine::ControlMessage::async_parameter_server, kind);
+    const int member = group_.members[static_cast<std::size_t>(peer)];
     try {
       if (is_send)
-        transport_.send(requests_[i], group_.members[static_cast<std::size_t>(peer)], tag, bytes);
+        transfer.send(transport_, member, tag, bytes, timeline_);
       else
-        transport_.recv(requests_[i], group_.members[static_cast<std::size_t>(peer)], tag, bytes);
+        transfer.recv(transport_, member, tag, bytes, timeline_);
     } catch (const Error& e) {
       left_behind_(peer, e);
       return;
     }
     posted_[i] = 1;
-    if (timeline_) posted_at_[i] = Timeline::now();
     if (is_send && peer != group_.rank) sent_ += bytes.size();
   }
 
@@ -155,10 +157,10 @@ class Messages final : private transport::CompletionSink {
   // longer posted).
   std::size_t settle(std::size_t i, std::chrono::milliseconds timeout) {
     posted_[i] = 0;
-    const std::size_t bytes = transport_.wait(requests_[i], Clock::now() + timeout);  // already settled
+    const std::size_t bytes = transfers_[i].wait(transport_, Clock::now() + timeout);  // already settled
     if (timeline_) {
       const Message m = locate(i);
-      trace_transfer(m.site, m.peer, i, bytes);
+      transfers_[i].record(timeline_, static_cast<std::uint32_t>(part_of(m.site, m.peer)), bytes);
     }
     return bytes;
   }
@@ -166,10 +168,10 @@ class Messages final : private transport::CompletionSink {
   // Takes back what is still posted (a wait whose deadline has passed withdraws what is
   // unmatched), so the transport holds none of the roles' buffers; errors are the peers' business.
   void withdraw(Clock::time_point deadline) {
-    for (std::size_t i = 0; i < requests_.size(); ++i) {
+    for (std::size_t i = 0; i < transfers_.size(); ++i) {
       if (!posted_[i]) continue;
       try {
-        transport_.wait(requests_[i], deadline);
+        transfers_[i].wait(transport_, deadline);
       } catch (const Error&) {
       }
     }
@@ -206,16 +208,12 @@ class Messages final : private transport::CompletionSink {
     events_cv_.notify_one();
   }
 
-  // A completed request, from its posting: its "bucket" is the part the message carries (the
-  // peer's as server for what this rank sends or gets as worker, this rank's own otherwise).
-  void trace_transfer(Site site, int peer, std::size_t i, std::size_t bytes) {
+  // The part a message carries, its "bucket" on the timeline: the peer's as server for what this
+  // rank sends or gets as worker, this rank's own otherwise.
+  int part_of(Site site, int peer) const {
     const bool as_worker = site == push_sent || site == pull_sent || site == reply_received ||
                            site == parameters_sent || site == average_received;
-    const bool sent = site == push_sent || site == pull_sent || site == reply_sent || site == parameters_sent ||
-                      site == average_sent || site == done_sent || site == up_sent || site == down_sent;
-    timeline_->record(sent ? Timeline::Kind::send : Timeline::Kind::recv, posted_at_[i],
-                      static_cast<std::uint32_t>(as_worker ? peer : group_.rank), bytes,
-                      group_.members[static_cast<std::size_t>(peer)]);
+    return as_worker ? peer : group_.rank;
   }
 
   X& transport_;
@@ -223,9 +221,8 @@ class Messages final : private transport::CompletionSink {
   int n_;
   Timeline* timeline_;
   LeftBehind left_behind_;
-  std::vector<typename X::Request> requests_;  // by site, then peer
-  std::vector<std::uint8_t> posted_;           // per request: its completion not handled yet
-  std::vector<std::int64_t> posted_at_;        // per request, on the timeline: when it was posted
+  std::vector<engine::Transfer<X>> transfers_;  // by site, then peer
+  std::vector<std::uint8_t> posted_;            // per transfer: its completion not handled yet
   std::vector<std::uint8_t> dead_;             // per peer: failed and left behind
   std::uint64_t dead_mask_ = 0;
   std::uint64_t sent_ = 0;

@@ -52,6 +52,7 @@
 #include "gradsync/detail/aligned_buffer.hpp"
 #include "gradsync/detail/transport_buffer.hpp"
 #include "gradsync/engine/tag.hpp"
+#include "gradsync/engine/transfer.hpp"
 #include "gradsync/options.hpp"
 #include "gradsync/timeline.hpp"
 #include "gradsync/version.hpp"
@@ -125,7 +126,7 @@ class BucketExchange {
         slot_offset_(schedule_.slot_elements.size()),
         slot_capacity_(schedule_.slot_elements.size()),
         slot_bytes_(schedule_.slot_elements.size()),
-        requests_(schedule_.steps.size()),
+        transfers_(schedule_.steps.size()),
         completed_(schedule_.steps.size()),
         absorbed_recv_(schedule_.steps.size(), no_step),
         adds_on_receive_(schedule_.steps.size()),
@@ -162,16 +163,10 @@ class BucketExchange {
   void trace(Timeline* timeline, std::uint32_t bucket) {
     timeline_ = timeline;
     bucket_ = bucket;
-    posted_at_.assign(timeline ? schedule_.steps.size() : 0, 0);
-    posted_peer_.assign(timeline ? schedule_.steps.size() : 0, -1);
   }
 
   // Send or receive `index` has completed with `bytes`: its span from posting, on the timeline.
-  void transfer_done(std::size_t index, std::size_t bytes) noexcept {
-    if (!timeline_) return;
-    timeline_->record(schedule_.steps[index].op == Step::Op::send ? Timeline::Kind::send : Timeline::Kind::recv,
-                      posted_at_[index], bucket_, bytes, posted_peer_[index]);
-  }
+  void transfer_done(std::size_t index, std::size_t bytes) noexcept { transfers_[index].record(timeline_, bucket_, bytes); }
 
   // Receives that may add on arrival (the top of this file): what the tests check.
   std::size_t receives_that_may_add() const noexcept {
@@ -234,20 +229,17 @@ class BucketExchange {
     const auto range = values.subspan(step.range.begin, step.range.size());
     const int peer = ctx.group.members[step.peer];
     const std::uint64_t tag = make_tag(ctx.iteration, ctx.bucket, step.message);
-    if (timeline_) {
-      posted_at_[index] = timeline_->now();
-      posted_peer_[index] = peer;
-    }
+    Transfer<X>& transfer = transfers_[index];
     if (step.op == Step::Op::send) {
       const auto bytes = step.slot == no_slot ? std::as_bytes(range) : encoded(step.slot);
-      transport.send(requests_[index], peer, tag, bytes);
+      transfer.send(transport, peer, tag, bytes, timeline_);
       stats.bytes_sent += bytes.size();
       stats.bytes_uncompressed += range.size_bytes();
     } else if (adds_on_receive(index, peer, range, transport)) {
-      if constexpr (TransportAdder<X>) transport.recv_add(requests_[index], peer, tag, range);
+      if constexpr (TransportAdder<X>) transfer.recv_add(transport, peer, tag, range, timeline_);
     } else {
-      transport.recv(requests_[index], peer, tag,
-                     step.slot == no_slot ? std::as_writable_bytes(range) : capacity(step.slot));
+      transfer.recv(transport, peer, tag, step.slot == no_slot ? std::as_writable_bytes(range) : capacity(step.slot),
+                    timeline_);
     }
   }
 
@@ -265,7 +257,7 @@ class BucketExchange {
     }
   }
 
-  typename X::Request& request(std::size_t index) noexcept { return requests_[index]; }
+  typename X::Request& request(std::size_t index) noexcept { return transfers_[index].request(); }
 
   // The bytes send step `index` puts on the wire (once its encode, if any, has run), for values
   // of `value_bytes` each.
@@ -480,7 +472,7 @@ class BucketExchange {
   void complete(std::uint32_t index, X& transport, const ExchangeContext& ctx, ExchangeStats& stats) {
     if (completed_[index]) return;
     const auto started = std::chrono::steady_clock::now();
-    const std::size_t bytes = transport.wait(requests_[index], started + ctx.timeout);
+    const std::size_t bytes = transfers_[index].wait(transport, started + ctx.timeout);
     stats.waiting += std::chrono::steady_clock::now() - started;
     completed_[index] = 1;
     transfer_done(index, bytes);
@@ -493,7 +485,7 @@ class BucketExchange {
   std::vector<std::size_t> slot_capacity_;
   std::vector<std::size_t> slot_bytes_;
   detail::TransportBuffer<X> scratch_;
-  std::vector<typename X::Request> requests_;  // one per step; only sends and receives use theirs
+  std::vector<Transfer<X>> transfers_;         // one per step; only sends and receives use theirs
   std::vector<std::uint8_t> completed_;        // serial executor: transfers already waited for
   std::vector<std::uint32_t> absorbed_recv_;   // per add step: the receive that may do its work, or no_step
   std::vector<std::uint8_t> adds_on_receive_;  // per receive: may be posted as recv_add
@@ -504,8 +496,6 @@ class BucketExchange {
   std::vector<std::size_t> residual_offset_;   // ... where each encode step's starts
   Timeline* timeline_ = nullptr;               // trace(): where steps are recorded, if anywhere
   std::uint32_t bucket_ = 0;                   // trace(): which bucket this exchange is
-  std::vector<std::int64_t> posted_at_;        // per transfer, with a timeline: when it was posted
-  std::vector<std::int32_t> posted_peer_;      // ... and to or from which transport rank
 };
 
 }  // namespace gradsync::engine

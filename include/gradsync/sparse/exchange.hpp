@@ -42,6 +42,7 @@
 #include "gradsync/concepts.hpp"
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/tag.hpp"
+#include "gradsync/engine/transfer.hpp"
 #include "gradsync/error.hpp"
 #include "gradsync/log.hpp"
 #include "gradsync/schedule.hpp"
@@ -146,8 +147,8 @@ class SparseExchange {
                               "the machine's writer: the group's machines and the shared-memory transport's differ",
                               group_.rank, local_, table_.writer() ? "" : " not"));
     const auto most = static_cast<std::size_t>(std::max(local_count_, machine_count_));
-    sends_ = std::vector<typename X::Request>(2 * most);
-    send_peers_.assign(2 * most, -1);
+    sends_ = std::vector<engine::Transfer<X>>(2 * most);
+    send_posted_.assign(2 * most, 0);
     received_.resize(most);
     sizes_.resize(most);
     if (options_.density == Density::dense && options_.key_space == 0)
@@ -188,8 +189,8 @@ class SparseExchange {
       wait_sends(1, step, "sparse gather");
       // The machine barrier: local rank 0 says when the table holds the step.
       std::uint64_t done = 0;
-      world_.recv(receive_, member(machine_, 0), tag(step, release), std::as_writable_bytes(std::span(&done, 1)));
-      wait(receive_, member(machine_, 0), step, "sparse step barrier");
+      receive_.recv(world_, member(machine_, 0), tag(step, release), std::as_writable_bytes(std::span(&done, 1)), nullptr);
+      wait(receive_, step, "sparse step barrier");
       return report;
     }
     // Local rank 0: the machine's sets, in local rank order.
@@ -230,11 +231,10 @@ class SparseExchange {
     table_.apply(step_set_.keys, step_set_.values);
     const std::uint64_t done = step;
     for (int l = 1; l < local_count_; ++l) {
-      world_.send(sends_[static_cast<std::size_t>(l)], member(machine_, l), tag(step, release),
-                  std::as_bytes(std::span(&done, 1)));
+      sends_[static_cast<std::size_t>(l)].send(world_, member(machine_, l), tag(step, release),
+                                               std::as_bytes(std::span(&done, 1)), nullptr);
     }
-    for (int l = 1; l < local_count_; ++l)
-      wait(sends_[static_cast<std::size_t>(l)], member(machine_, l), step, "sparse step barrier");
+    for (int l = 1; l < local_count_; ++l) wait(sends_[static_cast<std::size_t>(l)], step, "sparse step barrier");
     return report;
   }
 
@@ -286,38 +286,38 @@ class SparseExchange {
 
   std::size_t post_size(int index, int peer, std::uint64_t step) {
     const auto at = static_cast<std::size_t>(2 * index);
-    world_.send(sends_[at], peer, tag(step, set_size), std::as_bytes(std::span(&count_out_, 1)));
-    send_peers_[at] = peer;
+    sends_[at].send(world_, peer, tag(step, set_size), std::as_bytes(std::span(&count_out_, 1)), nullptr);
+    send_posted_[at] = 1;
     return sizeof count_out_;
   }
   std::size_t post_payload(int index, int peer, std::uint64_t step) {
     const auto at = static_cast<std::size_t>(2 * index + 1);
-    world_.send(sends_[at], peer, tag(step, set_payload), std::as_bytes(std::span(outgoing_)));
-    send_peers_[at] = peer;
+    sends_[at].send(world_, peer, tag(step, set_payload), std::as_bytes(std::span(outgoing_)), nullptr);
+    send_posted_[at] = 1;
     return outgoing_.size();
   }
 
   // Waits for what was posted of the first `sets` sets (a size and, if posted, a payload each).
   void wait_sends(int sets, std::uint64_t step, const char* operation) {
     for (std::size_t i = 0; i < static_cast<std::size_t>(2 * sets); ++i) {
-      if (send_peers_[i] < 0) continue;
-      wait(sends_[i], send_peers_[i], step, operation);
-      send_peers_[i] = -1;
+      if (!send_posted_[i]) continue;
+      wait(sends_[i], step, operation);
+      send_posted_[i] = 0;
     }
   }
 
   // A set from `peer` into received_[at]: its size, then its payload.
   void receive_size(std::size_t at, int peer, std::uint64_t step, std::size_t dim, const char* operation) {
-    world_.recv(receive_, peer, tag(step, set_size), std::as_writable_bytes(std::span(&sizes_[at], 1)));
-    if (wait(receive_, peer, step, operation) != sizeof(std::uint64_t) || payload_bytes(sizes_[at], dim) > max_set_bytes)
+    receive_.recv(world_, peer, tag(step, set_size), std::as_writable_bytes(std::span(&sizes_[at], 1)), nullptr);
+    if (wait(receive_, step, operation) != sizeof(std::uint64_t) || payload_bytes(sizes_[at], dim) > max_set_bytes)
       throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
                   fmt::format("step {}: a sparse set of {} keys announced (limit {} bytes)", step, sizes_[at],
                               max_set_bytes));
   }
   void receive_payload(std::size_t at, int peer, std::uint64_t step, std::size_t dim, const char* operation) {
     incoming_.resize(payload_bytes(sizes_[at], dim));
-    world_.recv(receive_, peer, tag(step, set_payload), std::as_writable_bytes(std::span(incoming_)));
-    if (wait(receive_, peer, step, operation) != incoming_.size())
+    receive_.recv(world_, peer, tag(step, set_payload), std::as_writable_bytes(std::span(incoming_)), nullptr);
+    if (wait(receive_, step, operation) != incoming_.size())
       throw Error(ErrorKind::protocol, {.rank = group_.rank, .peer = peer, .operation = operation},
                   fmt::format("step {}: a sparse set shorter than the {} keys announced", step, sizes_[at]));
     unpack(sizes_[at], dim, received_[at], peer, operation);
@@ -409,12 +409,12 @@ class SparseExchange {
     }
   }
 
-  std::size_t wait(typename X::Request& request, int peer, std::uint64_t step, const char* operation) {
+  std::size_t wait(engine::Transfer<X>& transfer, std::uint64_t step, const char* operation) {
     try {
-      return world_.wait(request, std::chrono::steady_clock::now() + options_.timeout);
+      return transfer.wait(world_, std::chrono::steady_clock::now() + options_.timeout);
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::timeout) throw;
-      throw Error(ErrorKind::timeout, {.rank = group_.rank, .peer = peer, .operation = operation},
+      throw Error(ErrorKind::timeout, {.rank = group_.rank, .peer = transfer.peer(), .operation = operation},
                   fmt::format("step {}: no answer within {} ms", step, options_.timeout.count()));
     }
   }
@@ -428,9 +428,9 @@ class SparseExchange {
   EmbeddingTable& table_;
   SparseOptions options_;
   std::uint64_t step_ = 0;
-  std::vector<typename X::Request> sends_;  // two per set sent; the barrier's releases
-  std::vector<int> send_peers_;
-  typename X::Request receive_;
+  std::vector<engine::Transfer<X>> sends_;  // two per set sent; the barrier's releases
+  std::vector<std::uint8_t> send_posted_;    // per send: posted, not yet waited for
+  engine::Transfer<X> receive_;
   std::uint64_t count_out_ = 0;
   std::vector<std::byte> outgoing_, incoming_;
   std::vector<std::uint64_t> sizes_;
