@@ -5,10 +5,9 @@
 // Every transfer this rank posts (engine::Transfer, as a bucket's exchange posts its own) is one
 // per kind of message, direction and peer (a Site and a group rank), posted again only after its
 // last completion has been handled, so a completion always belongs to the posting it is handled
-// for. Transports report completions into an inbox
-// that the communication thread drains (next()), together with the trainer's wake-ups. Nothing goes
-// to or comes from a peer marked dead; a failure found while posting goes to `left_behind`, the
-// synchronizer's dead-peer policy.
+// for. Transports report completions into an inbox that the communication thread drains (next()),
+// together with the trainer's wake-ups. Nothing goes to or comes from a peer marked dead; a
+// failure found while posting goes to `left_behind`, the synchronizer's dead-peer policy.
 //
 // Wire format (tags: engine::control_tag with ControlMessage::async_parameter_server and the Kind):
 // a push is its iteration and its bucket, then the codec's encoding of that bucket's chunk of the
@@ -223,7 +222,7 @@ class Messages final : private transport::CompletionSink {
   LeftBehind left_behind_;
   std::vector<engine::Transfer<X>> transfers_;  // by site, then peer
   std::vector<std::uint8_t> posted_;            // per transfer: its completion not handled yet
-  std::vector<std::uint8_t> dead_;             // per peer: failed and left behind
+  std::vector<std::uint8_t> dead_;              // per peer: failed and left behind
   std::uint64_t dead_mask_ = 0;
   std::uint64_t sent_ = 0;
 

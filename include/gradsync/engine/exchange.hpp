@@ -166,7 +166,9 @@ class BucketExchange {
   }
 
   // Send or receive `index` has completed with `bytes`: its span from posting, on the timeline.
-  void transfer_done(std::size_t index, std::size_t bytes) noexcept { transfers_[index].record(timeline_, bucket_, bytes); }
+  void transfer_done(std::size_t index, std::size_t bytes) noexcept {
+    transfers_[index].record(timeline_, bucket_, bytes);
+  }
 
   // Receives that may add on arrival (the top of this file): what the tests check.
   std::size_t receives_that_may_add() const noexcept {

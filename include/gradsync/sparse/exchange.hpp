@@ -189,7 +189,8 @@ class SparseExchange {
       wait_sends(1, step, "sparse gather");
       // The machine barrier: local rank 0 says when the table holds the step.
       std::uint64_t done = 0;
-      receive_.recv(world_, member(machine_, 0), tag(step, release), std::as_writable_bytes(std::span(&done, 1)), nullptr);
+      receive_.recv(world_, member(machine_, 0), tag(step, release), std::as_writable_bytes(std::span(&done, 1)),
+                    nullptr);
       wait(receive_, step, "sparse step barrier");
       return report;
     }

@@ -210,6 +210,9 @@ class Connector::Impl {
 
   // No new connections: closing, or winding down (stop_connecting).
   bool stopping() const noexcept { return closing_ || winding_down_; }
+  Error closed_before_connected(int peer) const {
+    return Error(ErrorKind::peer_failed, where(peer), "the transport closed before the connection was made");
+  }
 
   // Counts a pair's dial or an accepted connection while it is under way; the last to end while
   // winding down says the connections have settled.
@@ -710,7 +713,7 @@ class Connector::Impl {
     for (std::uint32_t c = 0; c < sockets_per_peer(); ++c) {
       // Winding down: the peer takes the pair as made only once every socket is in, so a pair
       // not yet whole is given up rather than finished.
-      if (stopping()) throw Error(ErrorKind::peer_failed, where(peer), "the transport closed before the connection was made");
+      if (stopping()) throw closed_before_connected(peer);
       set.sockets.push_back(co_await dial_socket(host, port, peer, c, deadline, false));
       if (c == 0 && !table.empty()) {
         const Timed t(*this, set.sockets.back(), deadline);
@@ -758,7 +761,7 @@ class Connector::Impl {
           ec = asio::error::connection_reset;
         }
       }
-      if (stopping()) throw Error(ErrorKind::peer_failed, where(peer), "the transport closed before the connection was made");
+      if (stopping()) throw closed_before_connected(peer);
       if (ec == asio::error::connection_refused && !retry_refused) {
         const std::string what =
             fmt::format("nothing listens for rank {} at {}:{} any more: its process has exited", peer, host, port);
