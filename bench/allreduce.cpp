@@ -3,7 +3,7 @@
 //
 //   allreduce [--transport in-process|shm|tcp|mpi] [--local-transport shm|tcp] [--executor task-graph|serial] [--ranks N] [--min-bytes B] [--max-bytes B]
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
-//             [--topology ring|parameter-server|hierarchical|recursive-doubling|halving-doubling|auto]
+//             [--topology auto|ring|recursive-doubling|halving-doubling|parameter-server|hierarchical]
 //             [--partitions P] [--ranks-per-machine L] [--across auto|ring|recursive-doubling|halving-doubling]
 //             [--chunk-bytes B] [--data gradient|constant] [--json PATH]
 //
@@ -16,9 +16,11 @@
 // the ranks of one machine (as MPI tells them) over shared memory; hierarchical's
 // --ranks-per-machine defaults to the ranks MPI puts on a machine.
 //
-// --topology auto: each size takes recursive doubling, halving-doubling or the ring, whichever
-// topology::Auto predicts fastest on the link it measures first (engine::calibrate_link, as a Synchronizer does at
-// its first synchronization); the table's last column and the JSON say which.
+// --topology auto (the default): each size takes recursive doubling, halving-doubling or the ring,
+// whichever ran fastest, as a Synchronizer chooses: the link measured first (engine::calibrate_link)
+// orders the candidates and rules out the hopeless, then each runs a few untimed iterations and
+// the ranks agree on the one whose slowest rank was fastest (engine::ScheduleTuner); only that one
+// is timed. The table's last column and the JSON say which.
 //
 // Every iteration starts and ends at a barrier; an iteration's time is the slowest rank's; the table shows
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
@@ -49,6 +51,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/engine/binomial_tree.hpp"
+#include "gradsync/engine/schedule_tuner.hpp"
 #include "gradsync/gradsync.hpp"
 #include "gradsync/transport/tcp.hpp"
 #include "gradsync/version.hpp"  // GRADSYNC_HAS_MPI
@@ -79,7 +82,7 @@ struct Config {
   int warmup = 3;
   std::string codec = "none";
   gradsync::toolkit::CodecSettings codec_settings;
-  std::string topology = "ring";
+  std::string topology = "auto";
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
   int ranks_per_machine = 0;   // hierarchical: L; 0 until parsed, then LOCAL_WORLD_SIZE, else 1
   std::string across = "auto";  // hierarchical: its schedule across machines
@@ -363,8 +366,9 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   topology::Hierarchical hier = hierarchical(cfg);
   topology::Auto<> chooser{.large = ring};
   const auto gigabytes_per_second = [](const LinkModel& l) { return l.seconds_per_byte > 0 ? 1e-9 / l.seconds_per_byte : 0.0; };
-  if (cfg.topology == "auto" && n > 1) {
-    engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
+  const bool tuned = cfg.topology == "auto" && n > 1;
+  engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
+  if (tuned) {
     chooser.link = engine::calibrate_link(control);
     if (transport.rank() == 0)
       fmt::print("# link measured: {:.1f} us + {:.3f} GB/s\n", chooser.link.latency * 1e6,
@@ -373,7 +377,6 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   // As the Synchronizer measures them for Hierarchical's choice across machines.
   const bool hierarchical_chooses = cfg.topology == "hierarchical" && cfg.across == "auto" && hier.machines(group) > 1;
   if (hierarchical_chooses) {
-    engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
     const engine::MachineLinks links = engine::calibrate_machine_links(control, hier.ranks_per_machine);
     hier.link = links.within;
     hier.link_across = links.across;
@@ -412,9 +415,10 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
                   typename engine::TaskGraph<Codec, X>::BucketTasks{.pack = [](std::uint32_t) {},
                                                                     .copy_back = [](std::uint32_t) {}});
   std::vector<Row> rows;
-  std::uint64_t iteration = 0;
+  std::uint64_t iteration = 0, agreement = 0;
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
     const std::size_t count = bytes / sizeof(float);
+    chooser.pinned.reset();  // the prior's choice, until the tuner has one
     engine::BucketExchange<Codec, X> exchange(schedule(count), codec, DType::f32, false, &transport);
     // From the transport's own memory where it has some (SharedMemory: one memcpy per message).
     const gradsync::detail::TransportBuffer<X> storage(&transport, count * sizeof(float));
@@ -422,14 +426,10 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     const bool gradient = cfg.data == "gradient";
     const bool checked = gradient || elementwise<Codec>;
     const std::vector<float> mine = gradient ? tk::gradient_values(count, transport.rank()) : std::vector<float>{};
-    const std::vector<float> expected =
-        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count), across(count))
-                                        : std::vector<float>{};
-    std::vector<double> times;
-    std::uint64_t wrong = 0;
     engine::BucketExchange<Codec, X>* const installed[] = {&exchange};
     if (graph) graph->install(installed);
-    for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
+    // One allreduce of this size, timed on this rank, in microseconds.
+    const auto allreduce = [&] {
       if (gradient) std::copy(mine.begin(), mine.end(), values.begin());
       else std::fill(values.begin(), values.end(), static_cast<float>(transport.rank() + 1));
       coordination.barrier();
@@ -444,6 +444,32 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       // Nobody refills (or checks) its values while another rank is still in the timed allreduce:
       // on a machine shared by several ranks that work would slow the slowest one.
       coordination.barrier();
+      return us;
+    };
+    if (tuned) {
+      engine::ScheduleTuner tuner({.warmup = cfg.warmup}, topology::Auto<>::candidates);
+      tuner.plan(std::span(&count, 1), [&](std::size_t, std::size_t k) {
+        return chooser.candidate_seconds(k, group, count, sizeof(float), chooser.link);
+      });
+      for (;;) {
+        chooser.pinned = static_cast<topology::Auto<>::Choice>(tuner.choice(0));
+        exchange = engine::BucketExchange<Codec, X>(schedule(count), codec, DType::f32, false, &transport);
+        if (graph) graph->install(installed);
+        if (tuner.settled()) break;
+        const std::size_t running = tuner.choice(0);
+        while (tuner.choice(0) == running && !tuner.settled()) {
+          tuner.record(0, allreduce() * 1e-6);
+          if (tuner.end_iteration()) tuner.agree(control, ++agreement);
+        }
+      }
+    }
+    const std::vector<float> expected =
+        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count), across(count))
+                                        : std::vector<float>{};
+    std::vector<double> times;
+    std::uint64_t wrong = 0;
+    for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
+      const double us = allreduce();
       if (i >= cfg.warmup) times.push_back(us);
       if (i == 0 && gradient) wrong += coordination.ranks_differing_from_root(digest(values));
       if (i == 0 && !gradient && elementwise<Codec>)
@@ -452,7 +478,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     coordination.reduce_to_root(times, wrong);
     if (transport.rank() == 0)
       rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count), across(count),
-                      cfg.topology == "auto" && n > 1 ? std::optional(chooser.link)
+                      tuned                           ? std::optional(chooser.link)
                       : hierarchical_chooses          ? std::optional(hier.link)
                                                       : std::nullopt,
                       hierarchical_chooses ? std::optional(hier.link_across) : std::nullopt});
@@ -570,12 +596,10 @@ void declare_options(CLI::App& app, Config& cfg) {
   tk::add_number(app, "--iters", cfg.iters, "timed iterations of each size", {.low = 1});
   tk::add_number(app, "--warmup", cfg.warmup, "iterations before them, not timed", {.low = 1});
   tk::add_codec_options(app, cfg.codec, cfg.codec_settings);
-  std::vector<std::string> topologies = tk::topology_names;
-  topologies.insert(topologies.end(), {"recursive-doubling", "halving-doubling", "auto"});
   tk::add_choice(app, "--topology", cfg.topology,
                  "the schedule; auto: recursive doubling, halving-doubling or the ring per size, by the link it "
                  "measures",
-                 topologies);
+                 tk::topology_names);
   tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
   tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
                  "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",

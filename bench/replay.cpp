@@ -4,7 +4,7 @@
 // communication left exposed after backward, and the number of buckets.
 //
 //   replay --trace FILE [--bucketing per-tensor|fixed-size|time-clustered] [--cap-mib C] [--min-bucket-kib K]
-//          [--codec NAME] [--threshold T] [--keep F] [--topology ring|parameter-server|hierarchical] [--partitions P]
+//          [--codec NAME] [--threshold T] [--keep F] [--topology auto|ring|recursive-doubling|halving-doubling|parameter-server|hierarchical] [--partitions P]
 //          [--servers S] [--dedicated] [--chunk-mib M]
 //          [--executor task-graph|serial] [--compute-threads N] [--spin-before-sleep US] [--selective]
 //          [--coordinate] [--window W] [--batch-kib K]
@@ -99,7 +99,7 @@ struct Config {
   std::string json;
   std::string codec = "none";
   tk::CodecSettings codec_settings;
-  std::string topology = "ring";
+  std::string topology = "auto";
   std::size_t partitions = 0;
   std::size_t servers = 0;
   bool dedicated = false;
@@ -450,12 +450,11 @@ gs::shipped::Bucketing bucketing_for(const Config& cfg) {
 
 // The topology the options name, cut into pieces of `chunk` elements.
 gs::shipped::Topology topology_for(const Config& cfg, int ranks_per_machine, std::size_t chunk) {
-  if (cfg.topology == "parameter-server")
-    return gs::topology::ParameterServer{
-        .partitions = cfg.partitions, .servers = cfg.servers, .dedicated = cfg.dedicated, .chunk_elements = chunk};
-  if (cfg.topology == "hierarchical")
-    return gs::topology::Hierarchical{.ranks_per_machine = ranks_per_machine, .chunk_elements = chunk};
-  return gs::topology::Ring{.chunk_elements = chunk};
+  return tk::topology_named(cfg.topology, {.ranks_per_machine = ranks_per_machine,
+                                           .chunk_elements = chunk,
+                                           .partitions = cfg.partitions,
+                                           .servers = cfg.servers,
+                                           .dedicated = cfg.dedicated});
 }
 
 }  // namespace
@@ -474,9 +473,11 @@ int main(int argc, char** argv) try {
   if (cfg.ipc && !cfg.device) throw std::invalid_argument("--ipc goes with --device");
   if (cfg.device) {
 #if GRADSYNC_HAS_CUDA
-    if (cfg.bucketing != "fixed-size" || cfg.topology != "ring" || cfg.selective || cfg.coordination.enabled)
-      throw std::invalid_argument("--device runs with --bucketing fixed-size --topology ring, without --selective "
-                                  "and --coordinate");
+    // The ring alone: Auto's choice rests on a link probe, which a device transport does not run.
+    if (cfg.bucketing != "fixed-size" || (cfg.topology != "auto" && cfg.topology != "ring") || cfg.selective ||
+        cfg.coordination.enabled)
+      throw std::invalid_argument("--device runs the ring (--topology auto or ring) with --bucketing fixed-size, "
+                                  "without --selective and --coordinate");
     const int devices = gs::cuda::device_count();
     if (devices == 0) throw std::runtime_error("--device: this process sees no CUDA device");
     const int device = gs::launch::from_environment().local_rank % devices;

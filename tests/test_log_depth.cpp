@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <map>
@@ -24,6 +25,7 @@
 #include "gradsync/engine/control.hpp"
 #include "gradsync/engine/cost_model.hpp"
 #include "gradsync/engine/exchange.hpp"
+#include "gradsync/engine/schedule_tuner.hpp"
 #include "gradsync/topology/auto.hpp"
 #include "gradsync/topology/hierarchical.hpp"
 #include "support.hpp"
@@ -316,7 +318,40 @@ TEST_SUITE("log-depth allreduce") {
     // The latency decides: on a link without any, the butterfly's whole buckets never pay.
     const topology::Auto<> no_latency{.link = {.latency = 0, .seconds_per_byte = 1e-9}, .measure_link = false};
     CHECK(no_latency.choose(Group::world(0, 8), 1024) != Choice::small);
-    CHECK(chooser.describe() == "auto(recursive-doubling | halving-doubling | ring(chunk=262144), link 50.0 us + 1.250 GB/s)");
+    CHECK(chooser.describe() ==
+          "auto(recursive-doubling | halving-doubling | ring(chunk=262144), link 50.0 us + 1.250 GB/s, kept by measured "
+          "times)");
+  }
+
+  TEST_CASE("Auto pinned: every bucket takes its candidate's schedule, and no link is measured") {
+    using Choice = topology::Auto<>::Choice;
+    // Steps equal field by field: the same messages in the same order, so the same bits.
+    const auto same = [](const Schedule& a, const Schedule& b) {
+      return a.steps.size() == b.steps.size() &&
+             std::equal(a.steps.begin(), a.steps.end(), b.steps.begin(), [](const Step& x, const Step& y) {
+               return x.op == y.op && x.peer == y.peer && x.message == y.message && x.range.begin == y.range.begin &&
+                      x.range.end == y.range.end && x.slot == y.slot && x.after == y.after;
+             });
+    };
+    const topology::Ring ring{.chunk_elements = 1000};
+    for (int n : {1, 3, 8, 12}) {
+      CAPTURE(n);
+      const Group group = Group::world(n - 1, n);
+      for (std::size_t elements : {1u, 1024u, 300000u}) {
+        CAPTURE(elements);
+        const topology::Auto<> rd{.large = ring, .pinned = Choice::small}, hd{.large = ring, .pinned = Choice::middle},
+            large{.large = ring, .pinned = Choice::large};
+        CHECK(same(rd.schedule(group, elements, {}), topology::RecursiveDoubling{}.schedule(group, elements, {})));
+        CHECK(same(hd.schedule(group, elements, {}), topology::HalvingDoubling{}.schedule(group, elements, {})));
+        CHECK(same(large.schedule(group, elements, {}), ring.schedule(group, elements, {})));
+        CHECK(large.predicted_seconds(group, elements, 4, {}) == ring.predicted_seconds(group, elements, 4, {}));
+      }
+    }
+    const topology::Auto<> pinned{.pinned = Choice::small};
+    CHECK_FALSE(pinned.measures_link());
+    CHECK(topology::Auto<>{}.measures_link());
+    CHECK(pinned.describe() == "auto(pinned recursive-doubling)");
+    CHECK_FALSE(topology::Hierarchical{.across = topology::Hierarchical::Across::ring}.measures_link());
   }
 
   TEST_CASE_TEMPLATE("Hierarchical across machines by recursive doubling or halving-doubling: every rank the reference's bits",
@@ -427,5 +462,65 @@ TEST_SUITE("log-depth allreduce") {
         CHECK(link.latency >= 0);
       }
     }
+  }
+
+  TEST_CASE("ScheduleTuner: the candidates the prior allows, each in turn; the slowest rank's fastest kept; drift explored again") {
+    // Three ranks, three buckets in two size classes. Class A (1000 values, twice): the prior rules
+    // out candidate 2; candidate 1 is the fastest on ranks 0 and 1, but the slowest rank's times
+    // decide, and rank 2 takes 3 ms on it. Class B (100000 values): candidate 2 is the fastest
+    // everywhere, until it drifts.
+    constexpr int n = 3, iterations = 40;
+    const engine::TunerSettings settings{.warmup = 2, .trials = 3, .explore_within = 4.0, .check_every = 4, .drift_margin = 1.3};
+    const std::vector<std::size_t> elements{1000, 100000, 1000};
+    const auto predicted = [&](std::size_t b, std::size_t k) {
+      if (elements[b] == 1000) return std::array{1.0, 2.0, 100.0}[k];
+      return std::array{1.0, 1.5, 2.0}[k];
+    };
+    std::vector<std::vector<std::vector<std::size_t>>> choices(n);  // rank, iteration, bucket
+    std::vector<std::string> logs(n);
+    const auto errors = test::run_ranks(n, [&](transport::InProcess& t) {
+      const int rank = t.rank();
+      const Group group = Group::world(rank, n);
+      engine::ControlChannel<transport::InProcess> control(t, group, 10s);
+      engine::ScheduleTuner tuner(settings, 3);
+      tuner.candidate_name = [](std::size_t k) { return fmt::format("c{}", k); };
+      tuner.plan(elements, predicted);
+      for (int it = 0; it < iterations; ++it) {
+        auto& chosen = choices[static_cast<std::size_t>(rank)].emplace_back();
+        for (std::size_t b = 0; b < elements.size(); ++b) {
+          const std::size_t k = tuner.choice(b);
+          chosen.push_back(k);
+          double ms = 0;
+          if (elements[b] == 1000) ms = k == 0 ? 1.0 : k == 1 ? (rank == 2 ? 3.0 : 0.5) : 50.0;
+          else ms = k == 2 ? (it >= 24 ? 4.0 : 1.0) : k == 1 ? 2.0 : 3.0;  // candidate 2 drifts at iteration 24
+          tuner.record(b, ms * 1e-3);
+        }
+        if (tuner.end_iteration()) tuner.agree(control, static_cast<std::uint64_t>(it), &logs[static_cast<std::size_t>(rank)]);
+      }
+    });
+    for (const auto& e : errors)
+      if (e) FAIL(std::string(e->what()));
+    for (int r = 1; r < n; ++r) CHECK(choices[static_cast<std::size_t>(r)] == choices[0]);
+    CHECK(logs[1] == logs[0]);
+    const auto& c = choices[0];
+    // Warm-up, iterations 0 and 1: the prior's choice.
+    CHECK(c[0] == std::vector<std::size_t>{0, 0, 0});
+    CHECK(c[1] == std::vector<std::size_t>{0, 0, 0});
+    // Exploring: A tries 0 then 1 (not 2), three iterations each; B tries 0, 1, 2.
+    for (int it = 2; it < 5; ++it) CHECK(c[static_cast<std::size_t>(it)] == std::vector<std::size_t>{0, 0, 0});
+    for (int it = 5; it < 8; ++it) CHECK(c[static_cast<std::size_t>(it)] == std::vector<std::size_t>{1, 1, 1});
+    // A has agreed after iteration 7: its two buckets' times added up, the slowest rank's 6 ms on
+    // candidate 1 against 2 ms on candidate 0.
+    for (int it = 8; it < 11; ++it) CHECK(c[static_cast<std::size_t>(it)] == std::vector<std::size_t>{0, 2, 0});
+    // B agrees after iteration 10: candidate 2 kept.
+    for (int it = 11; it < 24; ++it) CHECK(c[static_cast<std::size_t>(it)] == std::vector<std::size_t>{0, 2, 0});
+    // Candidate 2 drifts to 4 ms from iteration 24, beyond 1.3 x candidate 1's 2 ms: B explores
+    // again after its next check and settles on candidate 1.
+    CHECK(c.back() == std::vector<std::size_t>{0, 1, 0});
+    CHECK(logs[0].find("buckets of 512 to 1023 values (measured): c0 2.000 ms, c1 6.000 ms -> c0") != std::string::npos);
+    CHECK(logs[0].find("buckets of 65536 to 131071 values (measured): c0 3.000 ms, c1 2.000 ms, c2 1.000 ms -> c2") !=
+          std::string::npos);
+    CHECK(logs[0].find("(drifted, exploring again)") != std::string::npos);
+    CHECK(logs[0].find("c0 3.000 ms, c1 2.000 ms, c2 4.000 ms -> c1") != std::string::npos);
   }
 }

@@ -63,11 +63,12 @@ std::vector<std::string> on_job(const char* name, Body body) {
   return reports;
 }
 
-// Each rank's averages from make_synchronizer(values) and from the Synchronizer type S, in two
-// jobs, and whether every rank ended with the same bits in both.
+// Each rank's averages from make_synchronizer(values) and from the Synchronizer type S (with
+// `as_typed`, the topology `topology` stands for), in two jobs, and whether every rank ended with
+// the same bits in both.
 template <class S>
 void check_picks(const shipped::Bucketing& bucketing, const shipped::Codec& codec, const shipped::Topology& topology,
-                 const S* /*type*/ = nullptr) {
+                 const typename S::Topology& as_typed) {
   const Options options{.timeout = 20s};
   const auto picked = on_job("picked", [&](int rank, JobTransport world) {
     const auto sync = make_synchronizer(std::move(world), options, bucketing, codec, topology);
@@ -76,7 +77,7 @@ void check_picks(const shipped::Bucketing& bucketing, const shipped::Codec& code
   });
   const auto typed = on_job("typed", [&](int rank, JobTransport world) {
     S sync(std::move(world), options, std::get<typename S::Bucketing>(bucketing), std::get<typename S::Compression>(codec),
-           std::get<typename S::Topology>(topology));
+           as_typed);
     return averages(sync, rank);
   });
   for (int r = 0; r < ranks; ++r) {
@@ -94,17 +95,29 @@ TEST_SUITE("shipped") {
     SUBCASE("time-clustered, ef-two-bit, hierarchical") {
       using S = Synchronizer<bucketing::TimeClustered, compression::ErrorFeedback<compression::TwoBit>,
                              topology::Hierarchical, JobTransport>;
+      // The ring across, not the automatic choice, which rests on links measured anew in each job.
+      const topology::Hierarchical hierarchical{
+          .ranks_per_machine = per_machine, .chunk_elements = 4096, .across = topology::Hierarchical::Across::ring};
       check_picks<S>(bucketing::TimeClustered{}, compression::ErrorFeedback<compression::TwoBit>{{.threshold = 0.01f}},
-                     // The ring across, not the automatic choice, which rests on links measured anew in each job.
-                     topology::Hierarchical{.ranks_per_machine = per_machine,
-                                            .chunk_elements = 4096,
-                                            .across = topology::Hierarchical::Across::ring});
+                     hierarchical, hierarchical);
     }
     SUBCASE("per-tensor, top-k, parameter server") {
       using S = Synchronizer<bucketing::PerTensor, compression::TopK, topology::ParameterServer, JobTransport>;
-      check_picks<S>(bucketing::PerTensor{}, compression::TopK{.keep = {.fraction = 0.1}},
-                     topology::ParameterServer{.chunk_elements = 8192});
+      const topology::ParameterServer server{.chunk_elements = 8192};
+      check_picks<S>(bucketing::PerTensor{}, compression::TopK{.keep = {.fraction = 0.1}}, server, server);
     }
+    SUBCASE("fixed-size, bf16, halving-doubling (Auto pinned to it)") {
+      using S = Synchronizer<bucketing::FixedSize, compression::Bf16, topology::HalvingDoubling, JobTransport>;
+      check_picks<S>(bucketing::FixedSize{.cap_bytes = 64 << 10, .first_cap_bytes = 16 << 10}, compression::Bf16{},
+                     topology::Auto<>{.pinned = topology::Auto<>::Choice::middle}, topology::HalvingDoubling{});
+    }
+  }
+
+  TEST_CASE("a program that picks no topology gets Auto's choice per bucket") {
+    const shipped::Topology picked{};
+    REQUIRE(std::holds_alternative<topology::Auto<>>(picked));
+    CHECK_FALSE(std::get<topology::Auto<>>(picked).pinned.has_value());
+    CHECK(std::get<topology::Auto<>>(picked).measures_link());
   }
 
   TEST_CASE("ranks whose options pick different codecs are each told what differs") {

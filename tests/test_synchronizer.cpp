@@ -414,9 +414,39 @@ TEST_SUITE("synchronizer") {
         }
         // Rank 0 alone logs the measured link and every bucket's choice.
         REQUIRE(logs.size() == 1);
-        CHECK(logs[0].starts_with("gradsync auto(recursive-doubling | halving-doubling | ring(chunk=262144), link measured): link "));
+        CHECK(logs[0].starts_with("gradsync auto(recursive-doubling | halving-doubling | ring(chunk=262144), link measured, "
+                                  "kept by measured times): link "));
         CHECK(logs[0].find(" (10 values): recursive-doubling") != std::string::npos);
       }
+  }
+
+  TEST_CASE("topology::Auto keeps what ran fastest: through the trials and after, every rank the same bits, each decision logged") {
+    // 16 iterations: 2 of warm-up, then up to three candidates of three trials each for both size
+    // classes, and their agreement; the averages stay right whichever schedule runs.
+    using Sync = Synchronizer<bucketing::PerTensor, compression::None, topology::Auto<>, InProcess>;
+    const std::vector<Spec> specs{{"w", 30000, DType::f32}, {"b", 10, DType::f32}, {"h.f64", 500, DType::f64}};
+    for (Executor executor : {Executor::task_graph, Executor::serial}) {
+      CAPTURE(executor == Executor::serial);
+      constexpr int n = 4;
+      std::mutex mutex;
+      std::vector<std::string> logs;
+      Options options{.executor = executor};
+      options.log = [&](std::string_view line) {
+        std::lock_guard lock(mutex);
+        logs.emplace_back(line);
+      };
+      const auto outputs = results_of<Sync>(n, specs, 16, options, {}, {});
+      for (std::size_t it = 0; it < outputs.size(); ++it) {
+        CAPTURE(it);
+        std::vector<Model> inputs(static_cast<std::size_t>(n), Model(specs));
+        for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
+        check_averages(inputs, outputs[it], 0);  // every rank the same bits, too
+      }
+      // The link's log, then rank 0's account of what the trials measured and what was kept.
+      REQUIRE(logs.size() >= 2);
+      CHECK(logs[1].find("chosen by measured times") != std::string::npos);
+      CHECK(logs[1].find("values (measured): ") != std::string::npos);
+    }
   }
 
   TEST_CASE("a policy setting or option out of range is refused when the Synchronizer is built, naming it") {
@@ -965,7 +995,10 @@ TEST_SUITE("synchronizer") {
           for (GradId id = static_cast<GradId>(specs.size()); id-- > 0;) sync.ready(id);
           sync.wait();
         };
-        for (int i = 0; i < 3; ++i) step();  // warm-up: the plan is agreed after the first
+        // Warm-up: the plan is agreed after the first; Auto's trials end after the 11th (its
+        // exchanges are built anew as candidates change, as when a plan is installed).
+        const int warm_up = std::same_as<Topology, topology::Auto<>> ? 14 : 3;
+        for (int i = 0; i < warm_up; ++i) step();
         sync_point.arrive_and_wait();
         if (sync.rank() == 0) test::allocation_count::start();
         sync_point.arrive_and_wait();

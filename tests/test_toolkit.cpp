@@ -100,7 +100,7 @@ TEST_SUITE("toolkit") {
   }
 
   TEST_CASE("choices, codecs and the parameter server's placement") {
-    std::string codec = "none", topology = "ring";
+    std::string codec = "none", topology = "auto";
     tk::CodecSettings settings;
     std::size_t servers = 0;
     bool dedicated = false;
@@ -114,7 +114,8 @@ TEST_SUITE("toolkit") {
     CHECK(settings.threshold == 0.2f);
     CHECK(parse(app, {"--codec", "two_bit"}).starts_with("--codec: two_bit not in {none,fp16,"));
     CHECK(parse(app, {"--topology", "tree"}) ==
-          "--topology: tree not in {ring,parameter-server,hierarchical} (--help lists the options)");
+          "--topology: tree not in {auto,ring,recursive-doubling,halving-doubling,parameter-server,hierarchical} "
+          "(--help lists the options)");
     CHECK(parse(app, {"--dedicated"}) ==
           "--servers and --dedicated: need --topology parameter-server (--help lists the options)");
     CHECK(parse(app, {"--servers", "2", "--dedicated", "--dedicated", "--topology", "parameter-server"}) == "accepted");
@@ -123,6 +124,29 @@ TEST_SUITE("toolkit") {
     CHECK(parse(app, {"--frobnicate"}) ==
           "The following argument was not expected: --frobnicate (--help lists the options)");
     CHECK(parse(app, {"--help"}) == "help");
+  }
+
+  TEST_CASE("every topology name is one topology_named knows; the ring and the log-depth schedules are Auto pinned") {
+    using Auto = gradsync::topology::Auto<>;
+    using Choice = Auto::Choice;
+    for (const std::string& name : tk::topology_names) {
+      CAPTURE(name);
+      CHECK_NOTHROW(tk::topology_named(name, {.ranks_per_machine = 2}));
+    }
+    const auto pinned = [](const char* name) { return std::get<Auto>(tk::topology_named(name, {})).pinned; };
+    CHECK_FALSE(pinned("auto").has_value());
+    CHECK(pinned("ring") == Choice::large);
+    CHECK(pinned("recursive-doubling") == Choice::small);
+    CHECK(pinned("halving-doubling") == Choice::middle);
+    CHECK(std::get<Auto>(tk::topology_named("ring", {.chunk_elements = 100})).large.chunk_elements == 100);
+    const auto hierarchical = tk::topology_named("hierarchical", {.ranks_per_machine = 4});
+    CHECK(std::get<gradsync::topology::Hierarchical>(hierarchical).ranks_per_machine == 4);
+    const auto server = tk::topology_named("parameter-server", {.servers = 2, .dedicated = true});
+    CHECK(std::get<gradsync::topology::ParameterServer>(server).servers == 2);
+    CHECK_THROWS_WITH_AS(tk::topology_named("star", {}),
+                         "unknown topology 'star'; choose one of auto, ring, recursive-doubling, halving-doubling, "
+                         "parameter-server, hierarchical",
+                         std::invalid_argument);
   }
 
   TEST_CASE("every codec name is one with_codec knows") {

@@ -6,7 +6,7 @@
 //                         [--dim D] [--rows N] [--hidden 64] [--averaging occurrence|world-size|none]
 //                         [--table shared|replicated] [--min-class N] [--steps S] [--data FILE] [--json PATH] [--seed N]
 //                         [--bucketing fixed-size|time-clustered] [--codec none|ef-two-bit] [--threshold T]
-//                         [--topology ring|hierarchical] [--checkpoint DIR] [--resume DIR]
+//                         [--topology auto|ring|hierarchical] [--checkpoint DIR] [--resume DIR]
 //
 // One process per rank, placed by the launcher's variables; run without a launcher it trains
 // alone. The MLP's gradients are averaged by a Synchronizer over the whole job, with the bucketing,
@@ -75,7 +75,7 @@ struct Options {
   std::uint64_t seed = 1;
   std::string bucketing = "fixed-size";
   std::string codec = "none";
-  std::string topology = "ring";
+  std::string topology = "auto";
   std::string checkpoint;  // a directory: written after every epoch
   std::string resume;      // a directory written by --checkpoint: training goes on from it
   float threshold = 0.1f;  // ef-two-bit's: fits this MLP's gradients (results/composed/: 0.5, TwoBit's default, loses 2.5 points)
@@ -107,8 +107,9 @@ void declare_options(CLI::App& app, Options& o) {
   app.add_option("--checkpoint", o.checkpoint, "after every epoch, write the table and the MLP into this directory");
   app.add_option("--resume", o.resume, "go on from the last epoch a --checkpoint directory holds");
   tk::add_choice(app, "--topology", o.topology,
-                 "the MLP's allreduce: one ring over every rank, or within machines and then across them",
-                 {"ring", "hierarchical"});
+                 "the MLP's allreduce: auto (per bucket, by the link), one ring over every rank, or within "
+                 "machines and then across them",
+                 {"auto", "ring", "hierarchical"});
   app.add_option("--data", o.data, "a package index as apt-cache dumpavail prints it (default: run it)");
   app.add_option("--json", o.json, "also write the results as JSON to this file");
   tk::add_number(app, "--seed", o.seed, "seeds the model, the table's initial rows and the shuffling");
@@ -335,7 +336,10 @@ void with_dense_sync(const Options& o, tk::JobTransport& world, F&& f) {
           Borrowed(world), options, bucketing, codec, {.ranks_per_machine = world.local_size()});
       return f(sync);
     }
-    gs::Synchronizer<Bucketing, Codec, gs::topology::Ring, Borrowed> sync(Borrowed(world), options, bucketing, codec);
+    gs::topology::Auto<> chooser;
+    if (o.topology == "ring") chooser.pinned = gs::topology::Auto<>::Choice::large;
+    gs::Synchronizer<Bucketing, Codec, gs::topology::Auto<>, Borrowed> sync(Borrowed(world), options, bucketing, codec,
+                                                                             chooser);
     f(sync);
   };
   const auto with_codec = [&](auto bucketing) {

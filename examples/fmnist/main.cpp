@@ -3,7 +3,7 @@
 //   gradsync-run -n 4 fmnist [--epochs E] [--batch B] [--lr R] [--momentum M]
 //                            [--bucketing fixed-size|per-tensor|time-clustered] [--codec NAME] [--threshold T]
 //                            [--keep F] [--hidden 256,128] [--steps S] [--data DIR] [--json PATH] [--seed N]
-//                            [--topology ring|parameter-server|hierarchical] [--servers S] [--dedicated]
+//                            [--topology auto|ring|recursive-doubling|halving-doubling|parameter-server|hierarchical] [--servers S] [--dedicated]
 //                            [--staleness S] [--quorum M] [--period K] [--slow-rank R] [--slow-factor F]
 //                            [--executor task-graph|serial] [--device cpu|cuda [--ipc | --nccl]]
 //
@@ -74,10 +74,8 @@ std::array<CLI::Option*, 3> declare_options(CLI::App& app, Options& o) {
 // The synchronous Synchronizer the options pick, from the library's shipped combinations.
 int run(const Options& o, tk::JobTransport transport, const gs::shipped::Bucketing& bucketing,
         const gs::shipped::Codec& codec) {
-  gs::shipped::Topology topology;
-  if (o.topology == "parameter-server")
-    topology = gs::topology::ParameterServer{.servers = o.servers, .dedicated = o.dedicated};
-  if (o.topology == "hierarchical") topology = gs::topology::Hierarchical{.ranks_per_machine = transport.local_size()};
+  const gs::shipped::Topology topology = tk::topology_named(
+      o.topology, {.ranks_per_machine = transport.local_size(), .servers = o.servers, .dedicated = o.dedicated});
   const auto sync = gs::make_synchronizer(std::move(transport), sync_options(o), bucketing, codec, topology);
   const auto describe = [](const auto& policy) { return std::visit([](const auto& p) { return p.describe(); }, policy); };
   const auto workers = static_cast<std::size_t>(
@@ -135,8 +133,10 @@ int main(int argc, char** argv) try {
     throw std::invalid_argument("--staleness/--quorum/--period: the asynchronous mode is a parameter server with "
                                 "co-located servers: --topology parameter-server, no --servers");
   if (o.device == "cuda") {
-    if (o.is_asynchronous || o.topology != "ring" || o.bucketing != "fixed-size")
-      throw std::invalid_argument("--device cuda trains with --topology ring --bucketing fixed-size, synchronously");
+    // The ring alone: Auto's choice rests on a link probe, which a device transport does not run.
+    if (o.is_asynchronous || (o.topology != "auto" && o.topology != "ring") || o.bucketing != "fixed-size")
+      throw std::invalid_argument("--device cuda trains over the ring (--topology auto or ring), --bucketing fixed-size, "
+                                  "synchronously");
 #if FMNIST_HAS_DEVICE
     return train_on_device(o);
 #else

@@ -31,7 +31,7 @@ struct Options {
   std::vector<std::size_t> hidden{256, 128};
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::string json;
-  std::string topology = "ring";
+  std::string topology = "auto";
   std::size_t servers = 0;
   bool dedicated = false;
   gs::async::Options asynchronous{.timeout = std::chrono::minutes(2)};

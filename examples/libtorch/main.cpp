@@ -3,7 +3,7 @@
 //
 //   gradsync-run -n 4 libtorch-fmnist [--epochs E] [--batch B] [--lr R] [--momentum M] [--codec NAME]
 //                                     [--threshold T] [--keep F] [--steps S] [--data DIR] [--json PATH]
-//                                     [--seed N] [--topology ring|parameter-server|hierarchical] [--threads T]
+//                                     [--seed N] [--topology auto|ring|recursive-doubling|halving-doubling|parameter-server|hierarchical] [--threads T]
 //
 // fmnist's options and JSON, with a LibTorch model: every rank builds the same model from the
 // seed, walks the same shuffled order of the training set and takes its shard of each global
@@ -54,7 +54,7 @@ struct Options {
   tk::CodecSettings codec_settings{.threshold = 0.01f};
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::string json;
-  std::string topology = "ring";
+  std::string topology = "auto";
 };
 
 void declare_options(CLI::App& app, Options& o) {
@@ -159,14 +159,9 @@ int with_codec(const Options& o) {
   auto settings = o.codec_settings;
   settings.seed = o.seed;
   settings.rank = transport.rank();
+  const gs::shipped::Topology topology = tk::topology_named(o.topology, {.ranks_per_machine = transport.local_size()});
   return tk::with_codec(o.codec, settings, [&]<class Codec>(const Codec& codec) {
-    if (o.topology == "parameter-server")
-      return run(o, std::move(transport), codec, gs::topology::ParameterServer{});
-    if (o.topology == "hierarchical") {
-      const gs::topology::Hierarchical hierarchical{.ranks_per_machine = transport.local_size()};
-      return run(o, std::move(transport), codec, hierarchical);
-    }
-    return run(o, std::move(transport), codec, gs::topology::Ring{});
+    return std::visit([&](const auto& t) { return run(o, std::move(transport), codec, t); }, topology);
   });
 }
 

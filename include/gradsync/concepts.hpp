@@ -197,13 +197,28 @@ concept PredictedTopology = TopologyPolicy<T> &&
     };
 
 // LinkAwareTopology: a topology whose schedules depend on the link's measured costs (topology::
-// Auto). Where `measure_link` is set, the Synchronizer measures the link at the first
-// synchronization (engine::calibrate_link), every rank taking the same figures, and sets `link`
-// before it builds any bucket's schedule.
+// Auto). Where measures_link() says so (its `measure_link` set, and a choice left to make), the
+// Synchronizer measures the link at the first synchronization (engine::calibrate_link), every rank
+// taking the same figures, and sets `link` before it builds any bucket's schedule.
 template <class T>
 concept LinkAwareTopology = TopologyPolicy<T> && requires(T t, LinkModel link) {
   t.link = link;
-  { t.measure_link } -> std::convertible_to<bool>;
+  { t.measures_link() } -> std::convertible_to<bool>;
+};
+
+// TunedTopology: a link-aware topology that offers each bucket several candidate schedules
+// (topology::Auto) and lets the Synchronizer keep the one that runs fastest, by the exchanges'
+// measured times (engine::ScheduleTuner): `candidates` of them, numbered from 0, each with its
+// schedule, its predicted time over a link (the prior that orders the trials) and its name for the
+// log; tunes() says whether to (not where the user pinned one).
+template <class T>
+concept TunedTopology = LinkAwareTopology<T> && requires(const T t, const Group& group, std::size_t n, CodecTraits codec,
+                                                         LinkModel link) {
+  { T::candidates } -> std::convertible_to<std::size_t>;
+  { t.tunes() } -> std::convertible_to<bool>;
+  { t.candidate_schedule(n, group, n, codec) } -> std::same_as<Schedule>;
+  { t.candidate_seconds(n, group, n, n, link) } -> std::same_as<double>;
+  { t.candidate_name(n) } -> std::convertible_to<std::string>;
 };
 
 // MachineLinkTopology: a link-aware topology of whole machines (topology::Hierarchical) that

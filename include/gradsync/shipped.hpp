@@ -28,9 +28,9 @@
 #include "gradsync/options.hpp"
 #include "gradsync/plan.hpp"
 #include "gradsync/schedule.hpp"
+#include "gradsync/topology/auto.hpp"
 #include "gradsync/topology/hierarchical.hpp"
 #include "gradsync/topology/parameter_server.hpp"
-#include "gradsync/topology/ring.hpp"
 #include "gradsync/transport/routed.hpp"
 #include "gradsync/transport/shared_memory.hpp"
 #include "gradsync/transport/tcp.hpp"
@@ -49,7 +49,9 @@ using Codec = std::variant<compression::None, compression::Fp16, compression::Bf
                            compression::OneBit, compression::TernGrad<>, compression::TopK, compression::RandomK,
                            compression::ErrorFeedback<compression::TwoBit>, compression::ErrorFeedback<compression::OneBit>,
                            compression::ErrorFeedback<compression::TopK>, compression::ErrorFeedback<compression::RandomK>>;
-using Topology = std::variant<topology::Ring, topology::ParameterServer, topology::Hierarchical>;
+// Auto first: a program that picks no topology gets the per-bucket choice; the ring, recursive
+// doubling and halving-doubling are Auto pinned to them (auto.hpp), so each costs no build of its own.
+using Topology = std::variant<topology::Auto<>, topology::ParameterServer, topology::Hierarchical>;
 
 }  // namespace shipped
 

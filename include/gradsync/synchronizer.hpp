@@ -52,6 +52,7 @@
 #include "gradsync/engine/exchange.hpp"
 #include "gradsync/engine/gradients.hpp"
 #include "gradsync/engine/native_allreduce.hpp"
+#include "gradsync/engine/schedule_tuner.hpp"
 #include "gradsync/engine/task_graph.hpp"
 #include "gradsync/options.hpp"
 #include "gradsync/timeline.hpp"
@@ -248,6 +249,11 @@ class Synchronizer {
     engine::BucketExchange<C, X> exchange;  // an empty schedule where `native_allreduce`
     bool native_allreduce = false;          // summed by the transport's allreduce (Options::native_allreduce)
     std::int64_t traced_start = 0;  // on the timeline, when this iteration's packing began
+    // Where the topology is tuned: the candidate `exchange` runs, and this iteration's start and
+    // time from its start to its averages written back (its update not included).
+    std::size_t candidate = 0;
+    std::chrono::steady_clock::time_point started{};
+    std::chrono::nanoseconds took{0};
   };
 
   ErrorContext here(std::string operation, std::optional<std::uint32_t> bucket = std::nullopt) const {
@@ -266,6 +272,7 @@ class Synchronizer {
     if (plan.buckets.size() > engine::max_buckets)
       throw invalid(fmt::format("{} buckets, at most {} are supported", plan.buckets.size(), engine::max_buckets));
     const std::vector<engine::BucketShape> shapes = gradients_.place(plan, invalid);
+    plan_tuner(shapes);
     std::vector<Bucket> buckets(plan.buckets.size());
     for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
       const auto& ids = plan.buckets[b];
@@ -309,9 +316,58 @@ class Synchronizer {
     task_graph_->install(exchanges);
   }
 
+  // A TunedTopology's measured choice (engine/schedule_tuner.hpp), where it applies: the ranks'
+  // times are what decide, and only host transports that match by tag can be timed and switched.
+  void start_tuning() {
+    if constexpr (TunedTopology<T> && !DeviceTransport<X> && !OrderMatchedTransport<X>) {
+      if (!topology_.tunes() || size() == 1) return;
+      tuner_.emplace(engine::TunerSettings{}, T::candidates);
+      tuner_->candidate_name = [this](std::size_t k) { return topology_.candidate_name(k); };
+    }
+  }
+
+  // The tuner's classes for buckets of these shapes, ordered by the topology's predictions over
+  // its link (the prior): every class starts over.
+  void plan_tuner(std::span<const engine::BucketShape> shapes) {
+    if constexpr (TunedTopology<T>) {
+      if (!tuner_) return;
+      std::vector<std::size_t> elements;
+      for (const engine::BucketShape& shape : shapes) elements.push_back(shape.elements);
+      tuner_->plan(elements, [&](std::size_t b, std::size_t k) {
+        return topology_.candidate_seconds(k, group_, shapes[b].elements, size_of(shapes[b].dtype), topology_.link);
+      });
+    }
+  }
+
+  // In wait(): hands the tuner this iteration's bucket times and, where a class moves to another
+  // candidate (an agreement, or the next trial), builds those buckets' exchanges anew.
+  void tune(std::uint64_t iteration) {
+    if constexpr (TunedTopology<T>) {
+      if (!tuner_) return;
+      for (std::size_t b = 0; b < buckets_.size(); ++b)
+        if (!buckets_[b].native_allreduce) tuner_->record(b, std::chrono::duration<double>(buckets_[b].took).count());
+      if (tuner_->end_iteration()) {
+        std::string decisions;
+        tuner_->agree(control_, iteration, &decisions);
+        if (!decisions.empty() && rank() == 0)
+          log_line(options_.log, fmt::format("gradsync {}: chosen by measured times{}", topology_.describe(), decisions));
+      }
+      bool changed = false;
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        if (buckets_[b].native_allreduce || tuner_->choice(b) == buckets_[b].candidate) continue;
+        buckets_[b].exchange = exchange_for(b, buckets_[b]);
+        changed = true;
+      }
+      if (changed) hand_to_task_graph();
+    } else {
+      (void)iteration;
+    }
+  }
+
   // Bucket `b`'s schedule: compressed, unless selective compression has a cost model that says
-  // sending it as it is would be faster; then also cut into the pieces the model chose.
-  engine::BucketExchange<C, X> exchange_for(std::size_t b, const Bucket& bucket) {
+  // sending it as it is would be faster; then also cut into the pieces the model chose. Where the
+  // topology is tuned, the candidate the tuner gives it now.
+  engine::BucketExchange<C, X> exchange_for(std::size_t b, Bucket& bucket) {
     engine::BucketExchange<C, X> exchange = [&] {
       if constexpr (PipelineTopology<T>) {
         if (costs_) {
@@ -324,8 +380,15 @@ class Synchronizer {
       }
       CodecTraits traits = codec_traits<C>();
       traits.receives_at_use = OrderMatchedTransport<X>;  // NCCL's groups (schedule.hpp)
-      return engine::BucketExchange<C, X>(topology_.schedule(group_, bucket.elements, traits), codec_, bucket.dtype,
-                                          false, &transport_);
+      Schedule schedule = [&] {
+        if constexpr (TunedTopology<T>)
+          if (tuner_) {
+            bucket.candidate = tuner_->choice(b);
+            return topology_.candidate_schedule(bucket.candidate, group_, bucket.elements, traits);
+          }
+        return topology_.schedule(group_, bucket.elements, traits);
+      }();
+      return engine::BucketExchange<C, X>(std::move(schedule), codec_, bucket.dtype, false, &transport_);
     }();
     exchange.trace(gradients_.timeline(), static_cast<std::uint32_t>(b));
     return exchange;
@@ -346,8 +409,11 @@ class Synchronizer {
     requires LinkAwareTopology<T>
   {
     if constexpr (DeviceTransport<X>) return;
-    if (!topology_.measure_link || size() == 1) return;
+    if (!topology_.measures_link() || size() == 1) return;
     const std::string links = engine::measure_links(topology_, control_);
+    std::vector<engine::BucketShape> shapes;
+    for (const Bucket& bucket : buckets_) shapes.push_back({.dtype = bucket.dtype, .elements = bucket.elements});
+    plan_tuner(shapes);
     std::string choices;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if (buckets_[b].native_allreduce) continue;
@@ -499,6 +565,7 @@ class Synchronizer {
     }
     // A bucket larger than the graph's short path is packed on a compute thread, so that ready()
     // returns to backward at once.
+    if (tuner_) bucket.started = std::chrono::steady_clock::now();
     const bool pack_here =
         !task_graph_ || values.size() * sizeof(V) <= engine::TaskGraph<C, X>::short_path_bytes;
     if (pack_here) pack_bucket(b);
@@ -549,6 +616,7 @@ class Synchronizer {
     if (!buckets_[b].in_place)
       std::visit([&](auto values) { gradients_.unpack(std::span<const GradId>(plan_.buckets[b]), values); },
                  buckets_[b].values);
+    if (tuner_) buckets_[b].took = std::chrono::steady_clock::now() - buckets_[b].started;
     if (Timeline* timeline = gradients_.timeline())
       timeline->record(Timeline::Kind::bucket, buckets_[b].traced_start, static_cast<std::uint32_t>(b));
     if (!update_) return;
@@ -572,6 +640,7 @@ class Synchronizer {
       stats_.iteration = iteration;
       stats_.buckets = buckets_.size();
       if (gradients_.size() > 0) stats_.after_last_ready = std::chrono::steady_clock::now() - gradients_.last_ready();
+      tune(iteration);
       std::optional<BucketPlan> proposal = bucketing_.end_iteration(gradients_.profile(iteration, &options_.log));
       if (!bucketing_.agreement_due(iteration)) return;
       BucketPlan plan = engine::agree_on_plan(control_, iteration, proposal ? *proposal : plan_);
@@ -651,6 +720,7 @@ class Synchronizer {
   // Written by whoever packs, starts or runs buckets and by wait(), which follows them all.
   IterationStats stats_;
   std::optional<engine::CostModel> costs_;  // selective compression's agreed costs, once calibrated
+  std::optional<engine::ScheduleTuner> tuner_;  // a TunedTopology's measured choice, where it applies
   std::string decisions_;                   // its decisions for the plan being installed, for the log
 
   // Guards the buckets' start: which is next, and its lateness report (and the bucketing policy's
@@ -691,6 +761,7 @@ void Synchronizer<B, C, T, X>::freeze() {
           typename engine::TaskGraph<C, X>::BucketTasks{.pack = [this](std::uint32_t b) { pack_bucket(b); },
                                                         .copy_back = [this](std::uint32_t b) { finish_bucket(b); }},
           options_.coordination, options_.spin_before_sleep, gradients_.timeline());
+    start_tuning();
     install(bucketing_.initial_plan(gradients_.layout()));
     try {
       agree_before_first_bucket();

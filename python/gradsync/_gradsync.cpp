@@ -26,6 +26,7 @@
 #include "gradsync/shipped.hpp"
 #include "toolkit/codec_by_name.hpp"
 #include "toolkit/connect.hpp"
+#include "toolkit/topology_by_name.hpp"
 
 namespace py = pybind11;
 namespace gs = gradsync;
@@ -77,13 +78,6 @@ gs::shipped::Bucketing bucketing_named(const std::string& name) {
   throw py::value_error(fmt::format("bucketing {:?}: choose fixed-size, per-tensor or time-clustered", name));
 }
 
-gs::shipped::Topology topology_named(const std::string& name, int ranks_per_machine) {
-  if (name == "ring") return gs::topology::Ring{};
-  if (name == "parameter-server") return gs::topology::ParameterServer{};
-  if (name == "hierarchical") return gs::topology::Hierarchical{.ranks_per_machine = ranks_per_machine};
-  throw py::value_error(fmt::format("topology {:?}: choose ring, parameter-server or hierarchical", name));
-}
-
 // The job's transport: the launcher's variables from the process environment, those in
 // `environment` first where it is given (a job that learns its rendezvous another way: the DDP
 // hook takes a port and token from torch.distributed's store).
@@ -116,7 +110,12 @@ class Synchronizer {
     options.timeline = timeline;
     gs::shipped::Bucketing chosen_bucketing = bucketing_named(bucketing);
     gs::JobTransport transport = connect(environment);
-    gs::shipped::Topology chosen_topology = topology_named(topology, transport.local_size());
+    gs::shipped::Topology chosen_topology;
+    try {
+      chosen_topology = gs::toolkit::topology_named(topology, {.ranks_per_machine = transport.local_size()});
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(e.what());
+    }
     const gs::toolkit::CodecSettings settings{.threshold = threshold, .keep = keep, .seed = seed, .rank = transport.rank()};
     gs::shipped::Codec chosen_codec;
     try {
@@ -216,10 +215,11 @@ PYBIND11_MODULE(_gradsync, m) {
                            "Averages registered gradients over the job's ranks. Policies by name: bucketing "
                            "(fixed-size, per-tensor, time-clustered), codec (none, fp16, bf16, two-bit, one-bit, "
                            "terngrad, top-k, random-k, ef-two-bit, ef-one-bit, ef-top-k, ef-random-k), topology "
-                           "(ring, parameter-server, hierarchical), executor (task-graph, serial).")
+                           "(auto: per bucket, by the measured link; ring, recursive-doubling, halving-doubling, "
+                           "parameter-server, hierarchical), executor (task-graph, serial).")
       .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&, float, double,
                     std::uint64_t, double, const std::string&, const std::optional<std::map<std::string, std::string>>&>(),
-           py::kw_only(), py::arg("bucketing") = "fixed-size", py::arg("codec") = "none", py::arg("topology") = "ring",
+           py::kw_only(), py::arg("bucketing") = "fixed-size", py::arg("codec") = "none", py::arg("topology") = "auto",
            py::arg("executor") = "task-graph", py::arg("threshold") = gs::compression::TwoBit{}.threshold,
            py::arg("keep") = 0.01, py::arg("seed") = 0, py::arg("timeout") = 300.0, py::arg("timeline") = "",
            py::arg("environment") = py::none())

@@ -18,6 +18,9 @@ def expected_average(ranks, step, shapes):
 
 @pytest.mark.parametrize("ranks,machines,bucketing,codec,topology", [
     (2, 1, "fixed-size", "none", "ring"),
+    (3, 1, "fixed-size", "none", "auto"),
+    (4, 1, "time-clustered", "none", "recursive-doubling"),
+    (4, 1, "fixed-size", "none", "halving-doubling"),
     (4, 2, "time-clustered", "none", "hierarchical"),
     (4, 1, "per-tensor", "none", "parameter-server"),
 ])

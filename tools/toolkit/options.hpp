@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "toolkit/codec_by_name.hpp"
+#include "toolkit/topology_by_name.hpp"
 
 namespace gradsync::toolkit {
 
@@ -96,7 +97,6 @@ CLI::Option* add_choice(CLI::App& app, const std::string& name, std::string& val
                         const std::vector<std::string>& choices);
 
 inline const std::vector<std::string> bucketing_names{"fixed-size", "per-tensor", "time-clustered"};
-inline const std::vector<std::string> topology_names{"ring", "parameter-server", "hierarchical"};
 
 // --codec NAME, one of codec_names.
 CLI::Option* add_codec_option(CLI::App& app, std::string& codec);

@@ -145,28 +145,39 @@ Linear measure_transfer(ControlChannel<X>& control, ControlMessage probes) {
   return fit(points);
 }
 
-// Every rank's coefficients to group rank 0, which sends back the largest of each: the slowest
-// rank's figures, the same on every rank.
+// Every rank's figures to group rank 0, which sends back the largest of each: the slowest rank's
+// figures, the same on every rank, in `mine`. `iteration` numbers the agreement where one kind
+// is made more than once (engine::ScheduleTuner's).
+template <TransportPolicy X>
+void agree_on_slowest(ControlChannel<X>& control, std::uint64_t iteration, ControlMessage m, std::span<double> mine,
+                      const char* operation) {
+  const Group& group = control.group();
+  const std::size_t bytes = mine.size_bytes();
+  const auto as_text = [&] { return std::string_view(reinterpret_cast<const char*>(mine.data()), bytes); };
+  const auto check = [&](std::string_view text, int peer) {
+    if (text.size() != bytes)
+      throw Error(ErrorKind::protocol,
+                  {.rank = group.members[group.rank], .peer = group.members[peer], .operation = operation},
+                  fmt::format("{} message of {} bytes, expected {}", operation, text.size(), bytes));
+  };
+  control.gather(iteration, m, as_text(), [&](int peer, std::string_view text) {
+    check(text, peer);
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      double theirs;
+      std::memcpy(&theirs, text.data() + i * sizeof(double), sizeof theirs);
+      mine[i] = std::max(mine[i], theirs);
+    }
+  });
+  const std::string_view agreed = control.broadcast(iteration, m, as_text());
+  check(agreed, 0);
+  std::memcpy(mine.data(), agreed.data(), bytes);
+}
+
 template <TransportPolicy X, std::size_t N>
 std::array<double, N> agree_on_slowest(ControlChannel<X>& control, ControlMessage m, std::array<double, N> mine,
                                        const char* operation) {
-  using Coefficients = std::array<double, N>;
-  const Group& group = control.group();
-  const auto as_text = [](const Coefficients& c) { return std::string(reinterpret_cast<const char*>(c.data()), sizeof c); };
-  const auto from_text = [&](std::string_view text, int peer) {
-    if (text.size() != sizeof(Coefficients))
-      throw Error(ErrorKind::protocol,
-                  {.rank = group.members[group.rank], .peer = group.members[peer], .operation = operation},
-                  fmt::format("{} message of {} bytes, expected {}", operation, text.size(), sizeof(Coefficients)));
-    Coefficients c;
-    std::memcpy(c.data(), text.data(), sizeof c);
-    return c;
-  };
-  control.gather(0, m, as_text(mine), [&](int peer, std::string_view text) {
-    const Coefficients theirs = from_text(text, peer);
-    for (std::size_t i = 0; i < N; ++i) mine[i] = std::max(mine[i], theirs[i]);
-  });
-  return from_text(control.broadcast(0, m, as_text(mine)), 0);
+  agree_on_slowest(control, 0, m, std::span<double>(mine), operation);
+  return mine;
 }
 
 // Times encode and decode here at three sizes, five times each, and a transfer

@@ -35,6 +35,7 @@ enum class ControlMessage : std::uint32_t {
   calibration_probe = 8,       // its timed transfers: probe k takes id 8 + k (raw bytes, no length)
   link = 0x30,                 // topology::Auto's measured link (calibrate_link), to rank 0 and back
   link_probe = 0x40,           // its timed transfers: probe k takes id 0x40 + k (raw bytes, no length)
+  schedule_times = 0x1000,     // engine::ScheduleTuner's medians, to rank 0 and the slowest back
   embedding_table = 0x20000000u,  // where local rank 0 put the machine's embedding table (sparse/)
   sparse = 0x20000010u,        // a sparse exchange's messages: ids sparse + 0 .. sparse + 4 (sparse/exchange.hpp)
   async_parameter_server = 0x20000020u,  // async::Synchronizer's messages: ids + 0 .. + 7 (async/messages.hpp)

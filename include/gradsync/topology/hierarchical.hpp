@@ -124,6 +124,9 @@ struct Hierarchical {
     return "halving-doubling";
   }
 
+  // Whether the Synchronizer should measure the links (LinkAwareTopology): only a choice across needs them.
+  bool measures_link() const noexcept { return measure_link && across == Across::automatic; }
+
   std::string describe() const {
     std::string links = measure_link || across != Across::automatic
                             ? std::string()
