@@ -448,9 +448,12 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     };
     if (tuned) {
       engine::ScheduleTuner tuner({.warmup = cfg.warmup}, topology::Auto<>::candidates);
-      tuner.plan(std::span(&count, 1), [&](std::size_t, std::size_t k) {
-        return chooser.candidate_seconds(k, group, count, sizeof(float), chooser.link);
-      });
+      tuner.plan(
+          std::span(&count, 1),
+          [&](std::size_t, std::size_t k) { return chooser.candidate_seconds(k, group, count, sizeof(float), chooser.link); },
+          [&](std::size_t, std::size_t k) {
+            return engine::scratch_elements(chooser.candidate_schedule(k, group, count, codec_traits<Codec>()));
+          });
       for (;;) {
         chooser.pinned = static_cast<topology::Auto<>::Choice>(tuner.choice(0));
         exchange = engine::BucketExchange<Codec, X>(schedule(count), codec, DType::f32, false, &transport);

@@ -333,9 +333,15 @@ class Synchronizer {
       if (!tuner_) return;
       std::vector<std::size_t> elements;
       for (const engine::BucketShape& shape : shapes) elements.push_back(shape.elements);
-      tuner_->plan(elements, [&](std::size_t b, std::size_t k) {
-        return topology_.candidate_seconds(k, group_, shapes[b].elements, size_of(shapes[b].dtype), topology_.link);
-      });
+      const CodecTraits traits = codec_traits<C>();
+      tuner_->plan(
+          elements,
+          [&](std::size_t b, std::size_t k) {
+            return topology_.candidate_seconds(k, group_, elements[b], size_of(shapes[b].dtype), topology_.link);
+          },
+          [&](std::size_t b, std::size_t k) {
+            return engine::scratch_elements(topology_.candidate_schedule(k, group_, elements[b], traits));
+          });
     }
   }
 

@@ -16,10 +16,12 @@
 //   warm-up    the first `warmup` iterations after a plan is installed run the prior's choice (the
 //              model's: Auto with its measured link) and are not timed: the first exchanges with a
 //              peer also set up its connection.
-//   exploring  each candidate the prior does not rule out (predicted within `explore_within`
-//              times the best prediction) runs `trials` iterations in turn, in the order the prior
-//              predicts fastest first. The order follows from the agreed link alone, so no message
-//              is needed to switch.
+//   exploring  each candidate the prior does not rule out runs `trials` iterations in turn, in the
+//              order the prior predicts fastest first. Ruled out: a candidate whose scratch
+//              exceeds `trial_scratch_elements` and the leanest candidate's (recursive doubling
+//              holds 2 log2(p) whole buckets: 224 MiB a rank for 16 MiB at 128 ranks), then one
+//              predicted beyond `explore_within` times the best of the rest. The order follows
+//              from the agreed link alone, so no message is needed to switch.
 //   agreeing   at the iteration boundary that ends the exploration, every rank's median time per
 //              class and candidate goes to group rank 0, which takes the largest (the slowest
 //              rank's) and sends the table back; every rank keeps, per class, the candidate with
@@ -57,10 +59,16 @@
 
 namespace gradsync::engine {
 
+// The values a schedule's slots hold in all (its scratch, beside the bucket).
+inline std::size_t scratch_elements(const Schedule& schedule) {
+  return std::accumulate(schedule.slot_elements.begin(), schedule.slot_elements.end(), std::size_t{0});
+}
+
 struct TunerSettings {
   int warmup = 2;               // iterations after a plan's install that are neither timed nor explored
   int trials = 3;               // iterations each candidate runs while exploring (1 to 15); its median counts
   double explore_within = 4.0;  // candidates predicted slower than this times the best are not tried
+  std::size_t trial_scratch_elements = std::size_t{16} << 20;  // ... nor those needing more scratch (above)
   int check_every = 64;         // settled: iterations between drift checks
   double drift_margin = 1.3;    // a kept candidate this much slower than another's agreed time: explore again
 };
@@ -71,9 +79,11 @@ class ScheduleTuner {
   ScheduleTuner(TunerSettings settings, std::size_t candidates) : settings_(settings), candidates_(candidates) {}
 
   // A new plan of buckets with these value counts; `predicted(bucket, candidate)` is the prior's
-  // time for that bucket on that candidate (the same on every rank). Every class starts over.
+  // time for that bucket on that candidate (the same on every rank), `scratch(bucket, candidate)`
+  // the values its schedule's slots hold. Every class starts over.
   void plan(std::span<const std::size_t> bucket_elements,
-            const std::function<double(std::size_t bucket, std::size_t candidate)>& predicted) {
+            const std::function<double(std::size_t bucket, std::size_t candidate)>& predicted,
+            const std::function<std::size_t(std::size_t bucket, std::size_t candidate)>& scratch) {
     bucket_class_.assign(bucket_elements.size(), 0);
     std::vector<std::uint32_t> powers;
     for (std::size_t e : bucket_elements) powers.push_back(static_cast<std::uint32_t>(std::bit_width(e)));
@@ -87,6 +97,7 @@ class ScheduleTuner {
     // Each class's prior: its buckets' predictions added up, per candidate.
     for (Class& c : classes_) {
       c.predicted.assign(candidates_, 0.0);
+      c.scratch.assign(candidates_, 0);
       c.agreed.assign(candidates_, 0.0);
       c.samples.assign(candidates_ * static_cast<std::size_t>(settings_.trials), 0.0);
       c.sampled.assign(candidates_, 0);
@@ -94,10 +105,17 @@ class ScheduleTuner {
     }
     scratch_.assign(static_cast<std::size_t>(settings_.trials), 0.0);
     for (std::size_t b = 0; b < bucket_elements.size(); ++b)
-      for (std::size_t k = 0; k < candidates_; ++k) classes_[bucket_class_[b]].predicted[k] += predicted(b, k);
+      for (std::size_t k = 0; k < candidates_; ++k) {
+        Class& c = classes_[bucket_class_[b]];
+        c.predicted[k] += predicted(b, k);
+        c.scratch[k] = std::max(c.scratch[k], scratch(b, k));
+      }
     for (Class& c : classes_) {
-      c.order.resize(candidates_);
-      std::iota(c.order.begin(), c.order.end(), std::size_t{0});
+      const std::size_t allowed =
+          std::max(settings_.trial_scratch_elements, *std::min_element(c.scratch.begin(), c.scratch.end()));
+      c.order.clear();
+      for (std::size_t k = 0; k < candidates_; ++k)
+        if (c.scratch[k] <= allowed) c.order.push_back(k);
       std::stable_sort(c.order.begin(), c.order.end(), [&](std::size_t a, std::size_t b) { return c.predicted[a] < c.predicted[b]; });
       const double best = c.predicted[c.order.front()];
       while (c.order.size() > 1 && c.predicted[c.order.back()] > settings_.explore_within * best) c.order.pop_back();
@@ -196,6 +214,7 @@ class ScheduleTuner {
     std::vector<std::size_t> order;  // candidates worth trying, the prior's fastest first
     std::size_t kept = 0;
     std::vector<double> predicted;  // per candidate, seconds (the prior)
+    std::vector<std::size_t> scratch;  // per candidate, the most values one bucket's slots hold
     std::vector<double> agreed;     // per candidate, the slowest rank's median at the last agreement
     std::vector<double> samples;    // per candidate, its last `trials` times (a ring)
     std::vector<int> sampled;       // per candidate, how many times were filed

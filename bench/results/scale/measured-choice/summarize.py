@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Medians over the rounds of run.sh's JSON (SHAPE-NAME-ROUND.json), per shape, configuration and
+size; writes summary.json beside them and prints, per shape, each configuration's time relative to
+the default's, and the schedule the default kept in each round."""
+import json
+import pathlib
+import re
+import statistics
+
+here = pathlib.Path(__file__).parent
+runs = {}
+for path in sorted(here.glob("*.json")):
+    match = re.fullmatch(r"((?:loopback|hosts)-[0-9x]+)-(.+)-(\d+)\.json", path.name)
+    if not match:
+        continue
+    for row in json.loads(path.read_text()):
+        runs.setdefault((match.group(1), match.group(2), row["bytes"]), []).append(row)
+
+summary = []
+for (shape, name, size), rows in sorted(runs.items()):
+    summary.append({"shape": shape, "configuration": name, "bytes": size, "rounds": len(rows),
+                    "median_time_us": round(statistics.median(r["time_us"] for r in rows), 1),
+                    "times_us": [round(r["time_us"], 1) for r in rows],
+                    "wrong": sum(r.get("wrong", 0) for r in rows),
+                    "schedules": [r.get("schedule", r.get("topology", "")) for r in rows]})
+(here / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+order = ["default", "ring", "recursive-doubling", "halving-doubling", "openmpi-tuned", "openmpi-han"]
+medians = {(s["shape"], s["configuration"], s["bytes"]): s for s in summary}
+for shape in sorted({s["shape"] for s in summary}):
+    present = [c for c in order if any(k[0] == shape and k[1] == c for k in medians)]
+    print(f"\n{shape}\n{'bytes':>9} " + " ".join(f"{c:>21}" for c in present) + "  default kept")
+    for size in sorted({s["bytes"] for s in summary if s["shape"] == shape}):
+        base = medians.get((shape, "default", size))
+        cells = []
+        for c in present:
+            s = medians.get((shape, c, size))
+            if not s:
+                cells.append(f"{'-':>21}")
+                continue
+            ratio = f" ({s['median_time_us'] / base['median_time_us']:.2f}x)" if base else ""
+            cells.append(f"{s['median_time_us'] / 1e3:>11.2f} ms{ratio:>8}")
+        kept = ", ".join(base["schedules"]) if base else ""
+        print(f"{size:>9} " + " ".join(cells) + "  " + kept)
