@@ -40,6 +40,7 @@
 #include <bit>
 #include <charconv>
 #include <chrono>
+#include <numeric>
 #include <optional>
 #include <cstdio>
 #include <cstdlib>
@@ -103,6 +104,11 @@ struct Row {
   std::string across;    // hierarchical: the schedule across machines this size ran (--across auto chooses)
   std::optional<LinkModel> link;         // what auto measured before choosing (hierarchical: within a machine)
   std::optional<LinkModel> link_across;  // hierarchical: what --across auto measured between machines
+  // auto: the tuner's account of its trials (agreed times per candidate), how many iterations it
+  // ran before the kept schedule was timed, and their time (the slowest rank's, summed)
+  std::string trials;
+  std::size_t trial_iterations = 0;
+  double trials_us = 0;
 };
 
 // Whether expected_average can replay the codec one value at a time.
@@ -446,8 +452,11 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       coordination.barrier();
       return us;
     };
+    std::vector<double> trial_times;
+    std::string trials;
     if (tuned) {
       engine::ScheduleTuner tuner({.warmup = cfg.warmup}, topology::Auto<>::candidates);
+      tuner.candidate_name = [&](std::size_t k) { return chooser.describe(static_cast<topology::Auto<>::Choice>(k)); };
       tuner.plan(
           std::span(&count, 1),
           [&](std::size_t, std::size_t k) { return chooser.candidate_seconds(k, group, count, sizeof(float), chooser.link); },
@@ -461,8 +470,9 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
         if (tuner.settled()) break;
         const std::size_t running = tuner.choice(0);
         while (tuner.choice(0) == running && !tuner.settled()) {
-          tuner.record(0, allreduce() * 1e-6);
-          if (tuner.end_iteration()) tuner.agree(control, ++agreement);
+          trial_times.push_back(allreduce());
+          tuner.record(0, trial_times.back() * 1e-6);
+          if (tuner.end_iteration()) tuner.agree(control, ++agreement, &trials);
         }
       }
     }
@@ -478,13 +488,20 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       if (i == 0 && !gradient && elementwise<Codec>)
         for (std::size_t e = 0; e < count; ++e) wrong += values[e] != expected[e];
     }
+    // The tuner's account is lines for a log ("\n  buckets of ..."); here it is one line.
+    for (std::size_t at; (at = trials.find("\n  ")) != std::string::npos;) trials.replace(at, 3, " ");
     coordination.reduce_to_root(times, wrong);
+    if (tuned) {
+      std::uint64_t none = 0;
+      coordination.reduce_to_root(trial_times, none);
+    }
     if (transport.rank() == 0)
       rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count), across(count),
                       tuned                           ? std::optional(chooser.link)
                       : hierarchical_chooses          ? std::optional(hier.link)
                                                       : std::nullopt,
-                      hierarchical_chooses ? std::optional(hier.link_across) : std::nullopt});
+                      hierarchical_chooses ? std::optional(hier.link_across) : std::nullopt, trials,
+                      trial_times.size(), std::accumulate(trial_times.begin(), trial_times.end(), 0.0)});
   }
   return rows;
 }
@@ -669,6 +686,12 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
   }
   fmt::print("# {}: {} {}\n", cfg.data == "gradient" ? "ranks differing" : "out of bounds values", wrong,
              wrong ? "ERROR" : "OK");
+  for (const Row& row : rows)
+    if (row.trial_iterations > 0)
+      fmt::print("# auto at {} B: {} iterations before the timed ones, {:.1f} ms, {:.1f} ms beyond as many of the "
+                 "kept schedule;{}\n",
+                 row.bytes, row.trial_iterations, row.trials_us / 1e3,
+                 (row.trials_us - static_cast<double>(row.trial_iterations) * row.time_us) / 1e3, row.trials);
   if (cfg.json.empty()) return;
   tk::Json json = tk::Json::array();
   for (const Row& r : rows) {
@@ -695,6 +718,11 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
     if (r.link) {
       json.back()["link_latency_us"] = tk::rounded(r.link->latency * 1e6, 3);
       json.back()["link_GBps"] = tk::rounded(r.link->seconds_per_byte > 0 ? 1e-9 / r.link->seconds_per_byte : 0.0, 6);
+    }
+    if (r.trial_iterations > 0) {
+      json.back()["trials"] = r.trials;
+      json.back()["trial_iterations"] = r.trial_iterations;
+      json.back()["trials_us"] = tk::rounded(r.trials_us, 3);
     }
     if (r.link_across) {
       json.back()["link_across_latency_us"] = tk::rounded(r.link_across->latency * 1e6, 3);

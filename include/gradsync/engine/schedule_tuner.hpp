@@ -21,7 +21,9 @@
 //              exceeds `trial_scratch_elements` and the leanest candidate's (recursive doubling
 //              holds 2 log2(p) whole buckets: 224 MiB a rank for 16 MiB at 128 ranks), then one
 //              predicted beyond `explore_within` times the best of the rest. The order follows
-//              from the agreed link alone, so no message is needed to switch.
+//              from the agreed link alone, so no message is needed to switch. After the first
+//              trial of each candidate but the first, the ranks agree on it (below): one beyond
+//              `give_up` times the best median so far runs no more trials.
 //   agreeing   at the iteration boundary that ends the exploration, every rank's median time per
 //              class and candidate goes to group rank 0, which takes the largest (the slowest
 //              rank's) and sends the table back; every rank keeps, per class, the candidate with
@@ -31,7 +33,8 @@
 //              `drift_margin` times another candidate's agreed time, the class explores again.
 //
 // Cost. Exploration runs at most (candidates - 1) x trials iterations on a slower schedule than the
-// best; the prior's filter keeps the ring out where it is hopeless (a 4 KiB bucket at 64 ranks) and
+// best, and one iteration of a candidate that is hopeless (recursive doubling's whole buckets at
+// 1 MiB and 64 ranks took 2.8x halving-doubling's time); the prior's filter keeps the ring out where it is hopeless (a 4 KiB bucket at 64 ranks) and
 // recursive doubling where its whole buckets are. Each agreement is one gather and one broadcast of
 // classes x candidates numbers over the control channel's tree: at the end of an exploration and
 // once every `check_every` iterations.
@@ -68,6 +71,7 @@ struct TunerSettings {
   int warmup = 2;               // iterations after a plan's install that are neither timed nor explored
   int trials = 3;               // iterations each candidate runs while exploring (1 to 15); its median counts
   double explore_within = 4.0;  // candidates predicted slower than this times the best are not tried
+  double give_up = 2.0;         // a candidate whose first trial took this times the best median: no more trials
   std::size_t trial_scratch_elements = std::size_t{16} << 20;  // ... nor those needing more scratch (above)
   int check_every = 64;         // settled: iterations between drift checks
   double drift_margin = 1.3;    // a kept candidate this much slower than another's agreed time: explore again
@@ -150,7 +154,11 @@ class ScheduleTuner {
         case Phase::exploring: {
           const std::size_t k = c.order[static_cast<std::size_t>(c.since - 1) / static_cast<std::size_t>(settings_.trials)];
           file(c, k, took);
-          if (c.since == static_cast<int>(c.order.size()) * settings_.trials) c.phase = Phase::agreeing, agree_now = true;
+          if (c.since == static_cast<int>(c.order.size()) * settings_.trials) {
+            c.phase = Phase::agreeing, agree_now = true;
+          } else if (settings_.trials > 1 && c.since > settings_.trials && c.since % settings_.trials == 1) {
+            c.first_trial = true, agree_now = true;  // a later candidate's first trial: worth going on?
+          }
           break;
         }
         case Phase::settled:
@@ -174,6 +182,16 @@ class ScheduleTuner {
     for (std::size_t c = 0; c < classes_.size(); ++c) {
       Class& cls = classes_[c];
       const std::span<const double> agreed(samples_text_.data() + c * candidates_, candidates_);
+      if (cls.first_trial) {
+        cls.first_trial = false;
+        const auto position = static_cast<std::size_t>(cls.since - 1) / static_cast<std::size_t>(settings_.trials);
+        double best = std::numeric_limits<double>::infinity();
+        for (std::size_t p = 0; p < position; ++p) best = std::min(best, agreed[cls.order[p]]);
+        if (agreed[cls.order[position]] > settings_.give_up * best) {  // its remaining trials skipped
+          cls.since = static_cast<int>(position + 1) * settings_.trials;
+          if (position + 1 == cls.order.size()) cls.phase = Phase::agreeing;
+        }
+      }
       if (cls.phase == Phase::agreeing) {
         for (std::size_t k : cls.order) cls.agreed[k] = agreed[k];
         cls.kept = *std::min_element(cls.order.begin(), cls.order.end(),
@@ -219,6 +237,7 @@ class ScheduleTuner {
     std::vector<double> samples;    // per candidate, its last `trials` times (a ring)
     std::vector<int> sampled;       // per candidate, how many times were filed
     double this_iteration = 0.0;
+    bool first_trial = false;       // exploring: a later candidate has run its first trial
   };
 
   void file(Class& c, std::size_t k, double seconds) const {

@@ -11,6 +11,8 @@
 # -Dmpi=enabled` and `meson compile -C build-release bench/allreduce`:
 #   bench/results/scale/measured-choice/run.sh loopback RANKS [ROUNDS]     one machine, TCP loopback
 #   bench/results/scale/measured-choice/run.sh hosts HOSTS PER_HOST [ROUNDS]  netcluster at 1 Gbit/s
+#   bench/results/scale/measured-choice/run.sh exploration RANKS   the default once on loopback: its
+#     trials (agreed times, iterations and their cost) into exploration-loopback-RANKS.json
 set -u
 here=$(dirname "$0")
 shape=${1:?usage: run.sh loopback RANKS [ROUNDS] | hosts HOSTS PER_HOST [ROUNDS]}
@@ -18,7 +20,11 @@ netcluster=${NETCLUSTER:-../shared/tools/netcluster}
 ulimit -n 20000
 export GRADSYNC_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n') GRADSYNC_TCP_CONGESTION=cubic
 sizes=(--min-bytes 4K --max-bytes 16M --step-factor 16 --iters 10 --warmup 2)
-if [[ $shape == loopback ]]; then
+if [[ $shape == exploration ]]; then
+  timeout 1200 tools/gradsync-run -n "${2:?ranks}" build-release/bench/allreduce --transport tcp --local-transport tcp \
+    "${sizes[@]}" --json "$here/exploration-loopback-$2.json" 2>&1 | grep -E "^\[0\] (  |# auto)|rror"
+  exit
+elif [[ $shape == loopback ]]; then
   ranks=${2:?ranks}; rounds=${3:-3}; tag=loopback-$ranks
 else
   hosts=${2:?hosts}; per_host=${3:?ranks per host}; rounds=${4:-3}; tag=hosts-${hosts}x$per_host
