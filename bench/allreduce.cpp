@@ -17,10 +17,12 @@
 // --ranks-per-machine defaults to the ranks MPI puts on a machine.
 //
 // --topology auto (the default): each size takes recursive doubling, halving-doubling or the ring,
-// whichever ran fastest, as a Synchronizer chooses: the link measured first (engine::calibrate_link)
-// orders the candidates and rules out the hopeless, then each runs a few untimed iterations and
-// the ranks agree on the one whose slowest rank was fastest (engine::ScheduleTuner); only that one
-// is timed. The table's last column and the JSON say which.
+// or on several machines of several ranks (--ranks-per-machine, LOCAL_WORLD_SIZE by default) one
+// of the hierarchical schedules, whichever ran fastest, as a Synchronizer chooses: the links
+// measured first (engine::measure_links) order the candidates and rule out the hopeless, then each
+// runs a few untimed iterations and the ranks agree on the one whose slowest rank was fastest
+// (engine::ScheduleTuner); only that one is timed. The table's last column and the JSON say which.
+// --topology hierarchical with --across auto chooses its schedule across machines the same way.
 //
 // Every iteration starts and ends at a barrier; an iteration's time is the slowest rank's; the table shows
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
@@ -153,6 +155,14 @@ topology::Hierarchical hierarchical(const Config& cfg) {
           .across = static_cast<topology::Hierarchical::Across>(named - across_names.begin())};
 }
 
+// --topology auto: its candidates with the pieces asked for, the hierarchical ones over machines of
+// --ranks-per-machine (LOCAL_WORLD_SIZE by default).
+topology::Auto<> auto_topology(const Config& cfg) {
+  return {.large = ring_topology(cfg),
+          .machines = {.ranks_per_machine = std::max(1, cfg.ranks_per_machine),
+                       .chunk_elements = chunk_elements(cfg, topology::Hierarchical{}.chunk_elements)}};
+}
+
 // --ranks-per-machine's default: LOCAL_WORLD_SIZE (set by torchrun, gradsync-run and netcluster), else 1.
 int local_world_size() {
   const char* text = std::getenv("LOCAL_WORLD_SIZE");
@@ -212,7 +222,7 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
     std::fill(expected.begin() + static_cast<std::ptrdiff_t>(range.begin),
               expected.begin() + static_cast<std::ptrdiff_t>(range.end), value);
   };
-  if (cfg.topology == "hierarchical") {
+  if (schedule == "hierarchical") {
     const int per_machine = cfg.ranks_per_machine, machines = hierarchical(cfg).machines(Group::world(0, n));
     for (int s = 0; s < per_machine; ++s) {
       const auto machine_sum = [&](int m) {  // rank m*L + l contributes m*L + l + 1
@@ -370,43 +380,39 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const topology::Ring ring = ring_topology(cfg);
   const topology::ParameterServer ps = parameter_server(cfg);
   topology::Hierarchical hier = hierarchical(cfg);
-  topology::Auto<> chooser{.large = ring};
-  const auto gigabytes_per_second = [](const LinkModel& l) { return l.seconds_per_byte > 0 ? 1e-9 / l.seconds_per_byte : 0.0; };
-  const bool tuned = cfg.topology == "auto" && n > 1;
+  topology::Auto<> chooser = auto_topology(cfg);
+  // Auto, and Hierarchical's choice across machines, are measured and tuned as a Synchronizer does.
+  const bool hierarchical_chooses = cfg.topology == "hierarchical" && cfg.across == "auto" && hier.machines(group) > 1;
+  const bool tuned = n > 1 && (cfg.topology == "auto" || hierarchical_chooses);
   engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
   if (tuned) {
-    chooser.link = engine::calibrate_link(control);
-    if (transport.rank() == 0)
-      fmt::print("# link measured: {:.1f} us + {:.3f} GB/s\n", chooser.link.latency * 1e6,
-                 gigabytes_per_second(chooser.link));
+    const std::string measured =
+        cfg.topology == "auto" ? engine::measure_links(chooser, control) : engine::measure_links(hier, control);
+    if (transport.rank() == 0) fmt::print("# {} measured\n", measured);
   }
-  // As the Synchronizer measures them for Hierarchical's choice across machines.
-  const bool hierarchical_chooses = cfg.topology == "hierarchical" && cfg.across == "auto" && hier.machines(group) > 1;
-  if (hierarchical_chooses) {
-    const engine::MachineLinks links = engine::calibrate_machine_links(control, hier.ranks_per_machine);
-    hier.link = links.within;
-    hier.link_across = links.across;
-    if (transport.rank() == 0)
-      fmt::print("# links measured: {:.1f} us + {:.3f} GB/s within a machine, {:.1f} us + {:.3f} GB/s across\n",
-                 links.within.latency * 1e6, gigabytes_per_second(links.within), links.across.latency * 1e6,
-                 gigabytes_per_second(links.across));
-  }
-  const auto across = [&](std::size_t count) -> std::string {
-    return cfg.topology == "hierarchical" ? topology::Hierarchical::name(hier.across_for(group, count)) : "";
-  };
+  // The schedule a size runs, by name (auto: its candidate now, the prior's until the tuner has
+  // one), and for a hierarchical one, its schedule across machines.
   const auto chosen = [&](std::size_t count) -> std::string {
     if (cfg.topology != "auto") return cfg.topology;
     switch (chooser.choose(group, count)) {
       case topology::Auto<>::Choice::small: return "recursive-doubling";
       case topology::Auto<>::Choice::middle: return "halving-doubling";
-      case topology::Auto<>::Choice::large: break;
+      case topology::Auto<>::Choice::large: return "ring";
+      default: break;
     }
-    return "ring";
+    return "hierarchical";
+  };
+  const auto across = [&](std::size_t count) -> std::string {
+    if (cfg.topology == "hierarchical") return topology::Hierarchical::name(hier.across_for(group, count));
+    if (chosen(count) != "hierarchical") return "";
+    const auto k = static_cast<std::size_t>(chooser.choose(group, count)) - topology::Auto<>::flat_candidates;
+    return topology::Hierarchical::name(topology::Hierarchical::candidate_across(k));
   };
   const auto schedule = [&](std::size_t count) {
     const std::string name = chosen(count);
     const CodecTraits traits = codec_traits<Codec>();
-    return name == "ring"                 ? ring.schedule(group, count, traits)
+    return cfg.topology == "auto"         ? chooser.schedule(group, count, traits)
+           : name == "ring"               ? ring.schedule(group, count, traits)
            : name == "hierarchical"       ? hier.schedule(group, count, traits)
            : name == "recursive-doubling" ? topology::RecursiveDoubling{}.schedule(group, count, traits)
            : name == "halving-doubling"   ? topology::HalvingDoubling{}.schedule(group, count, traits)
@@ -425,6 +431,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   for (std::size_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes; bytes *= cfg.step_factor) {
     const std::size_t count = bytes / sizeof(float);
     chooser.pinned.reset();  // the prior's choice, until the tuner has one
+    hier.across = hierarchical(cfg).across;
     engine::BucketExchange<Codec, X> exchange(schedule(count), codec, DType::f32, false, &transport);
     // From the transport's own memory where it has some (SharedMemory: one memcpy per message).
     const gradsync::detail::TransportBuffer<X> storage(&transport, count * sizeof(float));
@@ -454,17 +461,18 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     };
     std::vector<double> trial_times;
     std::string trials;
-    if (tuned) {
-      engine::ScheduleTuner tuner({.warmup = cfg.warmup}, topology::Auto<>::candidates);
-      tuner.candidate_name = [&](std::size_t k) { return chooser.describe(static_cast<topology::Auto<>::Choice>(k)); };
+    // The tuner's trials (untimed), `pin` making candidate k the schedule this size runs.
+    const auto explore = [&](const auto& tuned_topology, auto&& pin) {
+      engine::ScheduleTuner tuner({.warmup = cfg.warmup}, std::remove_cvref_t<decltype(tuned_topology)>::candidates);
+      tuner.candidate_name = [&](std::size_t k) { return tuned_topology.candidate_name(k); };
       tuner.plan(
           std::span(&count, 1),
-          [&](std::size_t, std::size_t k) { return chooser.candidate_seconds(k, group, count, sizeof(float), chooser.link); },
+          [&](std::size_t, std::size_t k) { return tuned_topology.candidate_seconds(k, group, count, sizeof(float)); },
           [&](std::size_t, std::size_t k) {
-            return engine::scratch_elements(chooser.candidate_schedule(k, group, count, codec_traits<Codec>()));
+            return engine::scratch_elements(tuned_topology.candidate_schedule(k, group, count, codec_traits<Codec>()));
           });
       for (;;) {
-        chooser.pinned = static_cast<topology::Auto<>::Choice>(tuner.choice(0));
+        pin(tuner.choice(0));
         exchange = engine::BucketExchange<Codec, X>(schedule(count), codec, DType::f32, false, &transport);
         if (graph) graph->install(installed);
         if (tuner.settled()) break;
@@ -475,7 +483,11 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
           if (tuner.end_iteration()) tuner.agree(control, ++agreement, &trials);
         }
       }
-    }
+    };
+    if (tuned && cfg.topology == "auto")
+      explore(chooser, [&](std::size_t k) { chooser.pinned = static_cast<topology::Auto<>::Choice>(k); });
+    else if (tuned)
+      explore(hier, [&](std::size_t k) { hier.across = topology::Hierarchical::candidate_across(k); });
     const std::vector<float> expected =
         !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count), across(count))
                                         : std::vector<float>{};
@@ -497,7 +509,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     }
     if (transport.rank() == 0)
       rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count), across(count),
-                      tuned                           ? std::optional(chooser.link)
+                      cfg.topology == "auto" && tuned ? std::optional(chooser.link)
                       : hierarchical_chooses          ? std::optional(hier.link)
                                                       : std::nullopt,
                       hierarchical_chooses ? std::optional(hier.link_across) : std::nullopt, trials,
@@ -559,7 +571,7 @@ std::vector<Row> run(Config& cfg, int& ranks, const Codec& codec) {
     ranks = mpi.size();
     const transport::SharedMemoryOptions machine = mpi.machine_options();
     cfg.machine_ranks = machine.local_size;
-    if (cfg.ranks_per_machine == 0) cfg.ranks_per_machine = cfg.topology == "hierarchical" ? machine.local_size : 1;
+    if (cfg.ranks_per_machine == 0) cfg.ranks_per_machine = cfg.topology == "hierarchical" || cfg.topology == "auto" ? machine.local_size : 1;
     // Always routed (a machine of one rank has a shared-memory world of one): one more transport
     // type would compile every codec's run_rank again, for what MPI's own shared memory does.
     transport::Routed routed(transport::SharedMemory(machine), std::move(mpi));
@@ -622,7 +634,7 @@ void declare_options(CLI::App& app, Config& cfg) {
                  tk::topology_names);
   tk::add_number(app, "--partitions", cfg.partitions, "the parameter server's parts (0: one per rank)");
   tk::add_number(app, "--ranks-per-machine", cfg.ranks_per_machine,
-                 "hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",
+                 "auto and hierarchical: ranks on each machine, numbered machine-major (default: LOCAL_WORLD_SIZE, else 1)",
                  {.low = 1});
   tk::add_choice(app, "--across", cfg.across,
                  "hierarchical: the schedule across machines; auto: per size, by the links it measures within and "
@@ -662,7 +674,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                : cfg.topology == "hierarchical"       ? hierarchical(cfg).describe()
                : cfg.topology == "recursive-doubling" ? topology::RecursiveDoubling{}.describe()
                : cfg.topology == "halving-doubling"   ? topology::HalvingDoubling{}.describe()
-               : cfg.topology == "auto"               ? topology::Auto<>{.large = ring_topology(cfg)}.describe()
+               : cfg.topology == "auto"               ? auto_topology(cfg).describe()
                                                       : parameter_server(cfg).describe(),
                cfg.codec);
   }
@@ -710,10 +722,8 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"busbw_GBps", tk::rounded(algbw * tk::bus_factor(ranks), 5)},
                     {"memcpy_us", tk::rounded(r.memcpy_us, 3)},
                     {"wrong", r.checked ? tk::Json(r.wrong) : tk::Json()}});
-    if (cfg.topology == "hierarchical") {
-      json.back()["ranks_per_machine"] = cfg.ranks_per_machine;
-      json.back()["across"] = r.across;
-    }
+    if (cfg.topology == "hierarchical" || cfg.topology == "auto") json.back()["ranks_per_machine"] = cfg.ranks_per_machine;
+    if (!r.across.empty()) json.back()["across"] = r.across;
     // The link the run measured (# link measured), which bench/scale_model --validate predicts with.
     if (r.link) {
       json.back()["link_latency_us"] = tk::rounded(r.link->latency * 1e6, 3);
@@ -747,7 +757,7 @@ int main(int argc, char** argv) try {
                                 "--codec none");
   // Under MPI, run() takes the machine's ranks from MPI.
   if (cfg.ranks_per_machine == 0 && cfg.transport != "mpi")
-    cfg.ranks_per_machine = cfg.topology == "hierarchical" ? local_world_size() : 1;
+    cfg.ranks_per_machine = cfg.topology == "hierarchical" || cfg.topology == "auto" ? local_world_size() : 1;
   int ranks = 0;
   const std::vector<Row> rows =
       tk::with_codec(cfg.codec, cfg.codec_settings, [&](const auto& codec) { return run(cfg, ranks, codec); });

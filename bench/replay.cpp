@@ -378,6 +378,7 @@ int replay(const Config& cfg, const std::vector<gradsync_bench::TraceEntry>& tra
                               {"codec", cfg.codec},
                               {"selective", cfg.selective},
                               {"topology", described.topology},
+                              {"schedules", tk::schedules_json(last)},
                               {"executor", cfg.executor},
                               {"data", cfg.data},
                               {"compute_threads", cfg.compute_threads},

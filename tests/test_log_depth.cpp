@@ -354,6 +354,73 @@ TEST_SUITE("log-depth allreduce") {
     CHECK_FALSE(topology::Hierarchical{.across = topology::Hierarchical::Across::ring}.measures_link());
   }
 
+  TEST_CASE("Auto on machines: Hierarchical's schedules are candidates on several machines of several ranks, each "
+            "exactly Hierarchical's with that schedule across") {
+    using Choice = topology::Auto<>::Choice;
+    using Across = topology::Hierarchical::Across;
+    const auto same = [](const Schedule& a, const Schedule& b) {
+      return a.steps.size() == b.steps.size() && a.slot_elements == b.slot_elements &&
+             std::equal(a.steps.begin(), a.steps.end(), b.steps.begin(), [](const Step& x, const Step& y) {
+               return x.op == y.op && x.peer == y.peer && x.message == y.message && x.range.begin == y.range.begin &&
+                      x.range.end == y.range.end && x.slot == y.slot && x.after == y.after;
+             });
+    };
+    const topology::Auto<> chooser{.machines = {.ranks_per_machine = 2, .chunk_elements = 500}};
+    const std::pair<Choice, Across> machine_candidates[] = {{Choice::machines_recursive_doubling, Across::recursive_doubling},
+                                                            {Choice::machines_halving_doubling, Across::halving_doubling},
+                                                            {Choice::machines_ring, Across::ring}};
+    for (int n : {4, 6, 8}) {
+      CAPTURE(n);
+      for (int rank = 0; rank < n; ++rank) {
+        const Group group = Group::world(rank, n);
+        CHECK(chooser.spans_machines(group));
+        CHECK(chooser.measured_ranks_per_machine(group) == 2);
+        for (const auto& [choice, across] : machine_candidates) {
+          const topology::Hierarchical fixed{.ranks_per_machine = 2, .chunk_elements = 500, .across = across};
+          topology::Auto<> pinned = chooser;
+          pinned.pinned = choice;
+          for (std::size_t elements : {1u, 1000u, 7777u}) {
+            CAPTURE(elements);
+            CHECK(same(pinned.schedule(group, elements, {}), fixed.schedule(group, elements, {})));
+          }
+          CHECK(std::isfinite(chooser.candidate_seconds(static_cast<std::size_t>(choice), group, 1000, 4)));
+        }
+      }
+    }
+    // One machine, a group that is not whole machines, or one rank a machine: the flat three alone,
+    // and one link measured.
+    for (const auto& [per_machine, n] : {std::pair{2, 2}, std::pair{2, 5}, std::pair{1, 8}, std::pair{4, 4}}) {
+      CAPTURE(n);
+      topology::Auto<> flat = chooser;
+      flat.machines.ranks_per_machine = per_machine;
+      const Group group = Group::world(0, n);
+      CHECK_FALSE(flat.spans_machines(group));
+      CHECK(flat.measured_ranks_per_machine(group) == 0);
+      for (std::size_t k = 0; k < topology::Auto<>::candidates; ++k)
+        CHECK(std::isfinite(flat.candidate_seconds(k, group, 1000, 4)) == (k < topology::Auto<>::flat_candidates));
+    }
+    // The links within and across decide: with a machine's ranks 100x closer than the machines,
+    // a bucket of 16 Ki values at 16 machines of 8 takes a hierarchical schedule, and the prior
+    // the Synchronizer measures gives each level its own figures.
+    topology::Auto<> measured{.machines = {.ranks_per_machine = 8}};
+    measured.take_links({.latency = 1e-6, .seconds_per_byte = 1e-11}, {.latency = 100e-6, .seconds_per_byte = 8e-9});
+    CHECK(measured.link.latency == 100e-6);
+    CHECK(measured.machines.link.latency == 1e-6);
+    CHECK(measured.machines.link_across.latency == 100e-6);
+    CHECK(measured.choose(Group::world(0, 128), 16384) >= Choice::machines_recursive_doubling);
+    CHECK(measured.choose(Group::world(0, 8), 16384) < Choice::machines_recursive_doubling);  // one machine
+    CHECK(measured.candidate_name(static_cast<std::size_t>(Choice::machines_ring)) == "hierarchical, ring across");
+    // Hierarchical alone: its three schedules across are its candidates; on one machine only the ring.
+    const topology::Hierarchical hierarchical{.ranks_per_machine = 2};
+    CHECK(hierarchical.tunes());
+    CHECK_FALSE(topology::Hierarchical{.ranks_per_machine = 2, .across = Across::ring}.tunes());
+    for (std::size_t k = 0; k < topology::Hierarchical::candidates; ++k) {
+      CHECK(std::isfinite(hierarchical.candidate_seconds(k, Group::world(0, 6), 1000, 4)));
+      CHECK(std::isfinite(hierarchical.candidate_seconds(k, Group::world(0, 2), 1000, 4)) ==
+            (topology::Hierarchical::candidate_across(k) == Across::ring));
+    }
+  }
+
   TEST_CASE_TEMPLATE("Hierarchical across machines by recursive doubling or halving-doubling: every rank the reference's bits",
                      C, compression::None, compression::Fp16, compression::Bf16) {
     using Across = topology::Hierarchical::Across;
@@ -533,5 +600,31 @@ TEST_SUITE("log-depth allreduce") {
     CHECK(logs[0].find("buckets of 65536 to 131071 values (measured): c1 2.000 ms, c2 1.000 ms -> c2") != std::string::npos);
     CHECK(logs[0].find("(drifted, exploring again)") != std::string::npos);
     CHECK(logs[0].find("c1 2.000 ms, c2 3.500 ms -> c1") != std::string::npos);
+  }
+
+  TEST_CASE("ScheduleTuner: a candidate predicted at infinity is not offered: never tried, its scratch never asked") {
+    // Auto's hierarchical candidates on a group of one machine. Candidate 1 is not offered; 0 and 2 are tried.
+    const std::vector<std::size_t> elements{1000};
+    const auto errors = test::run_ranks(2, [&](transport::InProcess& t) {
+      const Group group = Group::world(t.rank(), 2);  // the channel keeps a reference
+      engine::ControlChannel<transport::InProcess> control(t, group, 10s);
+      engine::ScheduleTuner tuner({.warmup = 1, .trials = 2}, 3);
+      tuner.plan(
+          elements, [](std::size_t, std::size_t k) { return k == 1 ? std::numeric_limits<double>::infinity() : 1.0 + k; },
+          [](std::size_t, std::size_t k) {
+            if (k == 1) throw std::logic_error("the scratch of a candidate not offered was asked for");
+            return std::size_t{1000};
+          });
+      std::vector<std::size_t> ran;
+      for (int it = 0; it < 8; ++it) {
+        ran.push_back(tuner.choice(0));
+        tuner.record(0, ran.back() == 2 ? 1e-3 : 2e-3);
+        if (tuner.end_iteration()) tuner.agree(control, static_cast<std::uint64_t>(it));
+      }
+      CHECK(ran == std::vector<std::size_t>{0, 0, 0, 2, 2, 2, 2, 2});
+      CHECK(tuner.settled());
+    });
+    for (const auto& e : errors)
+      if (e) FAIL(std::string(e->what()));
   }
 }

@@ -11,6 +11,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -446,6 +447,91 @@ TEST_SUITE("synchronizer") {
       REQUIRE(logs.size() >= 2);
       CHECK(logs[1].find("chosen by measured times") != std::string::npos);
       CHECK(logs[1].find("values (measured): ") != std::string::npos);
+    }
+  }
+
+  TEST_CASE_TEMPLATE("on machines of several ranks, Auto and Hierarchical try the hierarchical schedules and keep what "
+                     "ran fastest: every rank the same bits, each decision logged",
+                     Topology, topology::Auto<>, topology::Hierarchical) {
+    // Three machines of two ranks. Auto: up to six candidates of three trials for each size class;
+    // Hierarchical: its three schedules across machines.
+    using Sync = Synchronizer<bucketing::PerTensor, compression::None, Topology, InProcess>;
+    const std::vector<Spec> specs{{"w", 30000, DType::f32}, {"b", 10, DType::f32}, {"h.f64", 500, DType::f64}};
+    Topology topology;
+    if constexpr (std::same_as<Topology, topology::Auto<>>) topology.machines = {.ranks_per_machine = 2, .chunk_elements = 1000};
+    else topology = {.ranks_per_machine = 2, .chunk_elements = 1000};
+    constexpr int n = 6;
+    std::mutex mutex;
+    std::vector<std::string> logs;
+    Options options;
+    options.log = [&](std::string_view line) {
+      std::lock_guard lock(mutex);
+      logs.emplace_back(line);
+    };
+    const auto outputs = results_of<Sync>(n, specs, 26, options, {}, topology);
+    for (std::size_t it = 0; it < outputs.size(); ++it) {
+      CAPTURE(it);
+      std::vector<Model> inputs(static_cast<std::size_t>(n), Model(specs));
+      for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
+      check_averages(inputs, outputs[it], 0);
+    }
+    // The two links measured apart, then the decisions among the candidates, by name.
+    REQUIRE(logs.size() >= 2);
+    CHECK(logs[0].find(" within a machine, ") != std::string::npos);
+    const auto decided = std::find_if(logs.begin(), logs.end(),
+                                      [](const std::string& line) { return line.find("chosen by measured times") != std::string::npos; });
+    REQUIRE(decided != logs.end());
+    if constexpr (std::same_as<Topology, topology::Hierarchical>)
+      CHECK(decided->find("-> hierarchical, ") != std::string::npos);
+  }
+
+  TEST_CASE("last_iteration() names each bucket's schedule with its predicted and measured time, the same names on "
+            "every rank") {
+    // Auto through its trials: the names are the candidates the tuner ran, iteration by iteration;
+    // the ring alone names itself and predicts nothing.
+    const std::vector<Spec> specs{{"w", 30000, DType::f32}, {"b", 10, DType::f32}};
+    constexpr int n = 4, iterations = 14;
+    const auto run = [&]<class Topology>(Topology topology) {
+      std::vector<std::vector<std::vector<BucketSchedule>>> reports(n);  // rank, iteration, bucket
+      const auto errors = test::run_ranks(n, [&](InProcess& t) {
+        const auto r = static_cast<std::size_t>(t.rank());
+        Model model(specs);
+        Synchronizer<bucketing::PerTensor, compression::None, Topology, InProcess> sync(std::move(t), {}, {}, {}, topology);
+        for (std::size_t i = 0; i < specs.size(); ++i) sync.add(specs[i].name, model.grad(i));
+        for (int iteration = 0; iteration < iterations; ++iteration) {
+          model.fill(static_cast<int>(r), iteration);
+          for (GradId id = 0; id < specs.size(); ++id) sync.ready(id);
+          sync.wait();
+          reports[r].push_back(sync.last_iteration().schedules);
+        }
+      });
+      for (const auto& e : errors)
+        if (e) FAIL(std::string(e->what()));
+      return reports;
+    };
+    const auto tuned = run(topology::Auto<>{});
+    std::set<std::string> names;
+    for (int it = 0; it < iterations; ++it) {
+      CAPTURE(it);
+      for (int r = 0; r < n; ++r) {
+        const auto& buckets = tuned[static_cast<std::size_t>(r)][static_cast<std::size_t>(it)];
+        REQUIRE(buckets.size() == 2);
+        for (std::size_t b = 0; b < buckets.size(); ++b) {
+          CHECK(buckets[b].schedule == tuned[0][static_cast<std::size_t>(it)][b].schedule);
+          CHECK(buckets[b].seconds > 0);
+          CHECK(buckets[b].predicted_seconds > 0);  // over the measured link
+          names.insert(buckets[b].schedule);
+        }
+      }
+    }
+    CHECK(names.size() >= 2);  // the trials ran more than one candidate
+    for (const std::string& name : names)
+      CHECK((name == "recursive-doubling" || name == "halving-doubling" || name.starts_with("ring(")));
+    const auto ring = run(topology::Ring{});
+    for (const auto& bucket : ring[1].back()) {
+      CHECK(bucket.schedule == topology::Ring{}.describe());
+      CHECK(bucket.predicted_seconds == 0);
+      CHECK(bucket.seconds > 0);
     }
   }
 
@@ -995,9 +1081,9 @@ TEST_SUITE("synchronizer") {
           for (GradId id = static_cast<GradId>(specs.size()); id-- > 0;) sync.ready(id);
           sync.wait();
         };
-        // Warm-up: the plan is agreed after the first; Auto's trials end after the 11th (its
-        // exchanges are built anew as candidates change, as when a plan is installed).
-        const int warm_up = std::same_as<Topology, topology::Auto<>> ? 14 : 3;
+        // Warm-up: the plan is agreed after the first; a tuned topology's trials end after the
+        // 11th (its exchanges are built anew as candidates change, as when a plan is installed).
+        const int warm_up = TunedTopology<Topology> ? 14 : 3;
         for (int i = 0; i < warm_up; ++i) step();
         sync_point.arrive_and_wait();
         if (sync.rank() == 0) test::allocation_count::start();

@@ -336,7 +336,7 @@ void with_dense_sync(const Options& o, tk::JobTransport& world, F&& f) {
           Borrowed(world), options, bucketing, codec, {.ranks_per_machine = world.local_size()});
       return f(sync);
     }
-    gs::topology::Auto<> chooser;
+    gs::topology::Auto<> chooser{.machines = {.ranks_per_machine = world.local_size()}};
     if (o.topology == "ring") chooser.pinned = gs::topology::Auto<>::Choice::large;
     gs::Synchronizer<Bucketing, Codec, gs::topology::Auto<>, Borrowed> sync(Borrowed(world), options, bucketing, codec,
                                                                              chooser);

@@ -50,6 +50,16 @@ inline gs::Options sync_options(const Options& o) {
 
 inline constexpr auto in_host_memory = [](Mlp& model) -> Mlp& { return model; };
 
+// The last step's schedule per bucket (IterationStats::schedules), where the synchronizer reports
+// them: the asynchronous parameter server runs no schedule of buckets.
+template <class Sync>
+tk::Json schedules_of(const Sync& sync) {
+  if constexpr (requires { sync.last_iteration(); })
+    return tk::schedules_json(sync.last_iteration());
+  else
+    return tk::Json();
+}
+
 // Trains through `sync`, then prints and writes what rank 0 measured. `throughput` turns the
 // epochs' reports into every worker's samples per second added up (with an asynchronous
 // parameter server each worker has its own pace). `place(model)` gives the model to train from the
@@ -91,6 +101,7 @@ int train_and_report(const Options& o, Sync& sync, std::size_t workers, const st
                             {"bucketing", o.bucketing},
                             {"codec", codec},
                             {"topology", topology},
+                            {"schedules", schedules_of(sync)},
                             {"device", o.device},
                             {"executor", o.executor},
                             {"staleness", o.is_asynchronous ? tk::Json(o.asynchronous.staleness) : tk::Json()},

@@ -207,29 +207,30 @@ concept LinkAwareTopology = TopologyPolicy<T> && requires(T t, LinkModel link) {
 };
 
 // TunedTopology: a link-aware topology that offers each bucket several candidate schedules
-// (topology::Auto) and lets the Synchronizer keep the one that runs fastest, by the exchanges'
-// measured times (engine::ScheduleTuner): `candidates` of them, numbered from 0, each with its
-// schedule, its predicted time over a link (the prior that orders the trials) and its name for the
-// log; tunes() says whether to (not where the user pinned one).
+// (topology::Auto; topology::Hierarchical's schedules across machines) and lets the Synchronizer
+// keep the one that runs fastest, by the exchanges' measured times (engine::ScheduleTuner):
+// `candidates` of them, numbered from 0, each with its schedule, its predicted time over the
+// topology's own (measured) links, the prior that orders the trials, infinite for one not offered
+// on this group, and its name for the log; tunes() says whether to (not where the user pinned one).
 template <class T>
-concept TunedTopology = LinkAwareTopology<T> && requires(const T t, const Group& group, std::size_t n, CodecTraits codec,
-                                                         LinkModel link) {
+concept TunedTopology = LinkAwareTopology<T> && requires(const T t, const Group& group, std::size_t n, CodecTraits codec) {
   { T::candidates } -> std::convertible_to<std::size_t>;
   { t.tunes() } -> std::convertible_to<bool>;
   { t.candidate_schedule(n, group, n, codec) } -> std::same_as<Schedule>;
-  { t.candidate_seconds(n, group, n, n, link) } -> std::same_as<double>;
+  { t.candidate_seconds(n, group, n, n) } -> std::same_as<double>;
   { t.candidate_name(n) } -> std::convertible_to<std::string>;
 };
 
-// MachineLinkTopology: a link-aware topology of whole machines (topology::Hierarchical) that
-// chooses by two links, `link` between ranks of one machine and `link_across` between machines;
-// `ranks_per_machine` and machines(group) say how the group divides. The Synchronizer measures
-// the two apart (engine::calibrate_machine_links).
+// MachineLinkTopology: a link-aware topology that, on a group of whole machines numbered
+// machine-major, chooses by two links, between ranks of one machine and between machines
+// (topology::Hierarchical; topology::Auto with its hierarchical candidates). The Synchronizer
+// measures the two apart (engine::calibrate_machine_links) with measured_ranks_per_machine(group)
+// ranks a machine, or one link for the whole group (engine::calibrate_link) where that is 0, and
+// hands the figures to take_links(within, across).
 template <class T>
 concept MachineLinkTopology = LinkAwareTopology<T> && requires(T t, const Group& group, LinkModel link) {
-  t.link_across = link;
-  { t.ranks_per_machine } -> std::convertible_to<int>;
-  { t.machines(group) } -> std::convertible_to<int>;
+  { t.measured_ranks_per_machine(group) } -> std::convertible_to<int>;
+  t.take_links(link, link);
 };
 
 // ---------------------------------------------------------------------------------------------

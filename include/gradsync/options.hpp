@@ -112,6 +112,16 @@ struct ExchangeStats {
   }
 };
 
+// What a bucket ran in an iteration, and why: the schedule its topology gave it (a tuned topology's
+// candidate, by name), the time the topology predicted for it over the links it measured (the prior
+// the choice started from; 0 where the topology predicts nothing), and the time it took on this
+// rank, from its start to its averages written back.
+struct BucketSchedule {
+  std::string schedule;
+  double predicted_seconds = 0;
+  double seconds = 0;
+};
+
 // What the last completed iteration cost this rank: its exchanges, and when they ended.
 struct IterationStats : ExchangeStats {
   std::uint64_t iteration = 0;
@@ -120,6 +130,8 @@ struct IterationStats : ExchangeStats {
   std::chrono::nanoseconds exposed{0};
   // From the last ready() to the last bucket's average: the synchronization left after backward.
   std::chrono::nanoseconds after_last_ready{0};
+  // Per bucket of the plan, in order: what it ran and why (sized with the plan).
+  std::vector<BucketSchedule> schedules;
 };
 
 // What a Synchronizer's policies can take, for checking its Options against them.

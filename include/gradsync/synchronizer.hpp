@@ -38,6 +38,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -249,11 +250,14 @@ class Synchronizer {
     engine::BucketExchange<C, X> exchange;  // an empty schedule where `native_allreduce`
     bool native_allreduce = false;          // summed by the transport's allreduce (Options::native_allreduce)
     std::int64_t traced_start = 0;  // on the timeline, when this iteration's packing began
-    // Where the topology is tuned: the candidate `exchange` runs, and this iteration's start and
-    // time from its start to its averages written back (its update not included).
+    // Where the topology is tuned, the candidate `exchange` runs; this iteration's start and time
+    // from its start to its averages written back (its update not included).
     std::size_t candidate = 0;
     std::chrono::steady_clock::time_point started{};
     std::chrono::nanoseconds took{0};
+    // What `exchange` runs, by name, and the topology's prediction for it (last_iteration()).
+    std::string schedule;
+    double predicted_seconds = 0;
   };
 
   ErrorContext here(std::string operation, std::optional<std::uint32_t> bucket = std::nullopt) const {
@@ -297,6 +301,7 @@ class Synchronizer {
       bucket.exchange = bucket.native_allreduce
                             ? engine::BucketExchange<C, X>(Schedule{}, codec_, bucket.dtype, false, &transport_)
                             : exchange_for(b, bucket);
+      if (bucket.native_allreduce) bucket.schedule = fmt::format("{}'s allreduce", transport_.describe());
     }
     const auto native = std::count_if(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.native_allreduce; });
     if (native > 0 && rank() == 0)
@@ -318,8 +323,12 @@ class Synchronizer {
 
   // A TunedTopology's measured choice (engine/schedule_tuner.hpp), where it applies: the ranks'
   // times are what decide, and only host transports that match by tag can be timed and switched.
+  // Nor with a codec whose state carries from one iteration to the next (error feedback's
+  // residual, a random stream's position): it lives in the exchange's encode steps, which a
+  // switch builds anew, so a switch would drop the residual a lossy codec owes the sum.
   void start_tuning() {
-    if constexpr (TunedTopology<T> && !DeviceTransport<X> && !OrderMatchedTransport<X>) {
+    if constexpr (TunedTopology<T> && !DeviceTransport<X> && !OrderMatchedTransport<X> &&
+                  std::is_empty_v<typename C::State>) {
       if (!topology_.tunes() || size() == 1) return;
       tuner_.emplace(engine::TunerSettings{}, T::candidates);
       tuner_->candidate_name = [this](std::size_t k) { return topology_.candidate_name(k); };
@@ -337,7 +346,7 @@ class Synchronizer {
       tuner_->plan(
           elements,
           [&](std::size_t b, std::size_t k) {
-            return topology_.candidate_seconds(k, group_, elements[b], size_of(shapes[b].dtype), topology_.link);
+            return topology_.candidate_seconds(k, group_, elements[b], size_of(shapes[b].dtype));
           },
           [&](std::size_t b, std::size_t k) {
             return engine::scratch_elements(topology_.candidate_schedule(k, group_, elements[b], traits));
@@ -397,7 +406,40 @@ class Synchronizer {
       return engine::BucketExchange<C, X>(std::move(schedule), codec_, bucket.dtype, false, &transport_);
     }();
     exchange.trace(gradients_.timeline(), static_cast<std::uint32_t>(b));
+    describe_schedule(bucket);
     return exchange;
+  }
+
+  // What `bucket` runs, by name, and the topology's prediction for it over its measured links,
+  // where it predicts: a tuned topology's candidate, or its own choice.
+  void describe_schedule(Bucket& bucket) const {
+    bucket.predicted_seconds = 0;
+    if constexpr (TunedTopology<T>) {
+      if (tuner_) {
+        bucket.schedule = topology_.candidate_name(bucket.candidate);
+        bucket.predicted_seconds =
+            topology_.candidate_seconds(bucket.candidate, group_, bucket.elements, size_of(bucket.dtype));
+        return;
+      }
+    }
+    if constexpr (requires { topology_.choice(group_, std::size_t{}); })
+      bucket.schedule = topology_.choice(group_, bucket.elements);
+    else
+      bucket.schedule = topology_.describe();
+    if constexpr (PredictedTopology<T> && LinkAwareTopology<T>)
+      bucket.predicted_seconds = topology_.predicted_seconds(group_, bucket.elements, size_of(bucket.dtype), topology_.link);
+  }
+
+  // For last_iteration(): what each bucket ran this iteration, as predicted and as measured. A
+  // name changes only where a bucket's exchange was built anew, so the copies reuse their strings.
+  void report_schedules() {
+    std::vector<BucketSchedule>& report = last_stats_.schedules;
+    report.resize(buckets_.size());
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      report[b].schedule = buckets_[b].schedule;
+      report[b].predicted_seconds = buckets_[b].predicted_seconds;
+      report[b].seconds = std::chrono::duration<double>(buckets_[b].took).count();
+    }
   }
 
   void log_decisions() {
@@ -571,7 +613,7 @@ class Synchronizer {
     }
     // A bucket larger than the graph's short path is packed on a compute thread, so that ready()
     // returns to backward at once.
-    if (tuner_) bucket.started = std::chrono::steady_clock::now();
+    bucket.started = std::chrono::steady_clock::now();
     const bool pack_here =
         !task_graph_ || values.size() * sizeof(V) <= engine::TaskGraph<C, X>::short_path_bytes;
     if (pack_here) pack_bucket(b);
@@ -622,7 +664,7 @@ class Synchronizer {
     if (!buckets_[b].in_place)
       std::visit([&](auto values) { gradients_.unpack(std::span<const GradId>(plan_.buckets[b]), values); },
                  buckets_[b].values);
-    if (tuner_) buckets_[b].took = std::chrono::steady_clock::now() - buckets_[b].started;
+    buckets_[b].took = std::chrono::steady_clock::now() - buckets_[b].started;
     if (Timeline* timeline = gradients_.timeline())
       timeline->record(Timeline::Kind::bucket, buckets_[b].traced_start, static_cast<std::uint32_t>(b));
     if (!update_) return;
@@ -646,6 +688,7 @@ class Synchronizer {
       stats_.iteration = iteration;
       stats_.buckets = buckets_.size();
       if (gradients_.size() > 0) stats_.after_last_ready = std::chrono::steady_clock::now() - gradients_.last_ready();
+      report_schedules();
       tune(iteration);
       std::optional<BucketPlan> proposal = bucketing_.end_iteration(gradients_.profile(iteration, &options_.log));
       if (!bucketing_.agreement_due(iteration)) return;
@@ -656,8 +699,10 @@ class Synchronizer {
 
   // Readies the next iteration, and releases the serial walk's thread into it.
   void next_iteration(std::chrono::nanoseconds exposed) {
+    std::vector<BucketSchedule> schedules = std::move(last_stats_.schedules);  // its strings keep their memory
     last_stats_ = stats_;
     last_stats_.exposed = exposed;
+    last_stats_.schedules = std::move(schedules);
     stats_ = {};
     gradients_.next_iteration();
     {

@@ -181,6 +181,15 @@ class Synchronizer {
     out["bytes_uncompressed"] = s.bytes_uncompressed;
     out["exposed_seconds"] = std::chrono::duration<double>(s.exposed).count();
     out["after_last_ready_seconds"] = std::chrono::duration<double>(s.after_last_ready).count();
+    py::list schedules;
+    for (const gs::BucketSchedule& bucket : s.schedules) {
+      py::dict one;
+      one["schedule"] = bucket.schedule;
+      one["predicted_seconds"] = bucket.predicted_seconds;
+      one["seconds"] = bucket.seconds;
+      schedules.append(one);
+    }
+    out["schedules"] = schedules;
     return out;
   }
 

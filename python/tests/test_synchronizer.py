@@ -91,6 +91,8 @@ def test_the_timeline_is_written_when_the_synchronizer_goes(tmp_path):
     sync.ready("weight")
     sync.wait()
     assert sync.last_iteration["iteration"] == 0
+    (bucket,) = sync.last_iteration["schedules"]  # one rank: the topology's own name, no prediction
+    assert bucket["schedule"] and bucket["seconds"] > 0
     del sync
     traces = list(tmp_path.glob("trace*.json"))
     assert len(traces) == 1, traces

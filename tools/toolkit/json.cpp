@@ -8,6 +8,16 @@
 
 namespace gradsync::toolkit {
 
+Json schedules_json(const IterationStats& stats) {
+  Json out = Json::array();
+  for (std::size_t b = 0; b < stats.schedules.size(); ++b)
+    out.push_back({{"bucket", b},
+                   {"schedule", stats.schedules[b].schedule},
+                   {"predicted_ms", rounded(stats.schedules[b].predicted_seconds * 1e3, 3)},
+                   {"measured_ms", rounded(stats.schedules[b].seconds * 1e3, 3)}});
+  return out;
+}
+
 double rounded(double value, int decimals) {
   const double scale = std::pow(10.0, decimals);
   return std::round(value * scale) / scale;

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gradsync/options.hpp"
+
 namespace gradsync::toolkit {
 
 // Keeps an object's keys in the order they were added, the order the programs have always written.
@@ -23,5 +25,9 @@ std::string json_text(const Json& value);
 
 // Writes json_text(value) to the file at `path`, replacing it.
 void write_json(const std::string& path, const Json& value);
+
+// An iteration's schedules per bucket (IterationStats::schedules): what each ran, its predicted
+// and its measured time in ms, for the trainers' and benchmarks' --json.
+Json schedules_json(const IterationStats& stats);
 
 }  // namespace gradsync::toolkit

@@ -1,8 +1,9 @@
 #pragma once
 // For command-line programs and the Python module: the topology a name picks, as a
 // shipped::Topology (shipped.hpp). "auto" is the default everywhere: topology::Auto chooses per
-// bucket; "ring", "recursive-doubling" and "halving-doubling" pin its choice to one candidate (the
-// same schedule, the same bits as that topology alone).
+// bucket, with the hierarchical schedules among its candidates on several machines of
+// ranks_per_machine ranks; "ring", "recursive-doubling" and "halving-doubling" pin its choice to
+// one candidate (the same schedule, the same bits as that topology alone).
 
 #include <cstddef>
 #include <stdexcept>
@@ -23,7 +24,7 @@ inline const std::vector<std::string> topology_names{"auto",           "ring",  
 
 // What the topologies that have settings read; 0 leaves a topology's own.
 struct TopologySettings {
-  int ranks_per_machine = 1;      // hierarchical: the launcher's LOCAL_WORLD_SIZE
+  int ranks_per_machine = 1;      // auto and hierarchical: the launcher's LOCAL_WORLD_SIZE
   std::size_t chunk_elements = 0;  // the ring's (also Auto's), the parameter server's and hierarchical's pieces
   std::size_t partitions = 0;      // parameter-server
   std::size_t servers = 0;         // parameter-server: ranks that only aggregate, or 0
@@ -34,7 +35,9 @@ struct TopologySettings {
 inline gradsync::shipped::Topology topology_named(std::string_view name, const TopologySettings& s) {
   namespace t = gradsync::topology;
   const auto chunk = [&](std::size_t own) { return s.chunk_elements ? s.chunk_elements : own; };
-  t::Auto<> chooser{.large = {.chunk_elements = chunk(t::Ring{}.chunk_elements)}};
+  t::Auto<> chooser{.large = {.chunk_elements = chunk(t::Ring{}.chunk_elements)},
+                    .machines = {.ranks_per_machine = s.ranks_per_machine,
+                                 .chunk_elements = chunk(t::Hierarchical{}.chunk_elements)}};
   const auto pinned = [&](t::Auto<>::Choice candidate) {
     chooser.pinned = candidate;
     return chooser;

@@ -320,15 +320,15 @@ std::string measure_links(T& topology, ControlChannel<X>& control) {
                        link.seconds_per_byte > 0 ? 1e-9 / link.seconds_per_byte : 0.0);
   };
   if constexpr (MachineLinkTopology<T>) {
-    topology.machines(control.group());  // a group that is not whole machines is told so before any probe
-    const MachineLinks measured = calibrate_machine_links(control, topology.ranks_per_machine);
-    topology.link = measured.within;
-    topology.link_across = measured.across;
-    return fmt::format("links {} within a machine, {} across", describe(measured.within), describe(measured.across));
-  } else {
-    topology.link = calibrate_link(control);
-    return fmt::format("link {}", describe(topology.link));
+    // A group that is not whole machines is told so here, before any probe.
+    if (const int per_machine = topology.measured_ranks_per_machine(control.group()); per_machine > 0) {
+      const MachineLinks measured = calibrate_machine_links(control, per_machine);
+      topology.take_links(measured.within, measured.across);
+      return fmt::format("links {} within a machine, {} across", describe(measured.within), describe(measured.across));
+    }
   }
+  topology.link = calibrate_link(control);
+  return fmt::format("link {}", describe(topology.link));
 }
 
 // A bucket's schedule as selective compression chooses it: compressed or not, its segments cut

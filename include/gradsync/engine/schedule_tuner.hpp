@@ -45,12 +45,14 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <numeric>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -79,12 +81,13 @@ struct TunerSettings {
 
 class ScheduleTuner {
  public:
-  // `candidates`: how many the topology offers (topology::Auto: 3).
+  // `candidates`: how many the topology offers (topology::Auto: 6, of which 3 where a group is one level).
   ScheduleTuner(TunerSettings settings, std::size_t candidates) : settings_(settings), candidates_(candidates) {}
 
   // A new plan of buckets with these value counts; `predicted(bucket, candidate)` is the prior's
-  // time for that bucket on that candidate (the same on every rank), `scratch(bucket, candidate)`
-  // the values its schedule's slots hold. Every class starts over.
+  // time for that bucket on that candidate (the same on every rank; infinite: not offered for this
+  // group, never tried), `scratch(bucket, candidate)` the values its schedule's slots hold (asked
+  // only of candidates offered). Every class starts over.
   void plan(std::span<const std::size_t> bucket_elements,
             const std::function<double(std::size_t bucket, std::size_t candidate)>& predicted,
             const std::function<std::size_t(std::size_t bucket, std::size_t candidate)>& scratch) {
@@ -112,14 +115,20 @@ class ScheduleTuner {
       for (std::size_t k = 0; k < candidates_; ++k) {
         Class& c = classes_[bucket_class_[b]];
         c.predicted[k] += predicted(b, k);
-        c.scratch[k] = std::max(c.scratch[k], scratch(b, k));
+        if (std::isfinite(c.predicted[k])) c.scratch[k] = std::max(c.scratch[k], scratch(b, k));
       }
     for (Class& c : classes_) {
-      const std::size_t allowed =
-          std::max(settings_.trial_scratch_elements, *std::min_element(c.scratch.begin(), c.scratch.end()));
+      // Candidates offered here (a finite prediction), then those within the scratch allowed.
+      const auto offered = [&](std::size_t k) { return std::isfinite(c.predicted[k]); };
+      std::size_t leanest = std::numeric_limits<std::size_t>::max();
+      for (std::size_t k = 0; k < candidates_; ++k)
+        if (offered(k)) leanest = std::min(leanest, c.scratch[k]);
+      const std::size_t allowed = std::max(settings_.trial_scratch_elements, leanest);
       c.order.clear();
       for (std::size_t k = 0; k < candidates_; ++k)
-        if (c.scratch[k] <= allowed) c.order.push_back(k);
+        if (offered(k) && c.scratch[k] <= allowed) c.order.push_back(k);
+      if (c.order.empty())
+        throw std::invalid_argument("ScheduleTuner: no candidate is offered for a bucket (every prediction infinite)");
       std::stable_sort(c.order.begin(), c.order.end(), [&](std::size_t a, std::size_t b) { return c.predicted[a] < c.predicted[b]; });
       const double best = c.predicted[c.order.front()];
       while (c.order.size() > 1 && c.predicted[c.order.back()] > settings_.explore_within * best) c.order.pop_back();

@@ -35,8 +35,11 @@
 // the first synchronization (engine::calibrate_machine_links: the ring's hops within a machine,
 // then the butterfly's rounds among the counterparts, timed as schedules run them and every rank
 // at once, so a machine's link is timed shared by its L ranks), the slowest rank's figures, the
-// same on every rank; the choice is made
-// for the bucket as a whole (its largest shard), so every rank of every machine chooses alike.
+// same on every rank; the choice is made for the bucket as a whole (its largest shard), so every
+// rank of every machine chooses alike. That prediction is the prior: with `tune` (the default) the
+// Synchronizer tries the three schedules across early in training and keeps the one that ran
+// fastest, as it does topology::Auto's candidates (engine::ScheduleTuner, TunedTopology); Auto
+// offers the same three among its own on a group of several machines.
 //
 // Pipelining, with the ring across. The three phases run piece by piece, not one after the other:
 // the ring across machines cuts each of its M segments of the shard into pieces of at most
@@ -73,6 +76,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <span>
 #include <string>
@@ -103,6 +107,7 @@ struct Hierarchical {
   LinkModel link{};         // one message between two ranks of a machine (LinkAwareTopology)
   LinkModel link_across{};  // one message between machines, while every rank of the machine sends one
   bool measure_link = true;  // the Synchronizer replaces both links by what it measures (above)
+  bool tune = true;          // with `across` automatic, the Synchronizer keeps what ran fastest (above)
 
   // How many columns the reduce-scatter within a machine may run ahead of the link: column j
   // starts once the first piece of column j - reduce_lead has come from across.
@@ -126,6 +131,36 @@ struct Hierarchical {
 
   // Whether the Synchronizer should measure the links (LinkAwareTopology): only a choice across needs them.
   bool measures_link() const noexcept { return measure_link && across == Across::automatic; }
+  // Whether the Synchronizer should choose across by measured times (TunedTopology).
+  bool tunes() const noexcept { return tune && across == Across::automatic; }
+
+  // MachineLinkTopology: the ranks a machine has for the link measurement (throws where the group
+  // is not whole machines), and the measured figures.
+  int measured_ranks_per_machine(const Group& group) const {
+    machines(group);
+    return ranks_per_machine;
+  }
+  void take_links(const LinkModel& within, const LinkModel& across_machines) {
+    link = within;
+    link_across = across_machines;
+  }
+
+  // TunedTopology: candidate k is the schedule with `across` made candidate_across(k), predicted
+  // by predicted(); with one machine only the ring's is offered (the others would be the same
+  // schedule), the rest predicted at infinity.
+  static constexpr std::size_t candidates = 3;
+  static constexpr Across candidate_across(std::size_t k) {
+    constexpr Across order[candidates] = {Across::recursive_doubling, Across::halving_doubling, Across::ring};
+    return order[k];
+  }
+  Schedule candidate_schedule(std::size_t k, const Group& group, std::size_t elements, CodecTraits codec) const {
+    return schedule(candidate_across(k), group, elements, codec);
+  }
+  double candidate_seconds(std::size_t k, const Group& group, std::size_t elements, std::size_t /*value_bytes*/) const {
+    if (machines(group) == 1 && candidate_across(k) != Across::ring) return std::numeric_limits<double>::infinity();
+    return predicted(group, elements, candidate_across(k));
+  }
+  std::string candidate_name(std::size_t k) const { return fmt::format("hierarchical, {} across", name(candidate_across(k))); }
 
   std::string describe() const {
     std::string links = measure_link || across != Across::automatic
@@ -206,7 +241,13 @@ struct Hierarchical {
   }
 
   Schedule schedule(const Group& group, std::size_t elements, CodecTraits codec) const {
-    switch (across_for(group, elements)) {
+    return schedule(across_for(group, elements), group, elements, codec);
+  }
+
+  // The schedule with phase 2 done `how` (automatic: the ring); one machine takes the ring's.
+  Schedule schedule(Across how, const Group& group, std::size_t elements, CodecTraits codec) const {
+    if (machines(group) == 1 || elements == 0) how = Across::ring;
+    switch (how) {
       case Across::recursive_doubling: return log_depth_across(RecursiveDoubling{}, group, elements, codec);
       case Across::halving_doubling: return log_depth_across(HalvingDoubling{}, group, elements, codec);
       case Across::automatic:
@@ -352,6 +393,6 @@ struct Hierarchical {
   }
 };
 
-static_assert(MachineLinkTopology<Hierarchical>);
+static_assert(MachineLinkTopology<Hierarchical> && TunedTopology<Hierarchical>);
 
 }  // namespace gradsync::topology

@@ -3,6 +3,8 @@
 # beside each schedule fixed and Open MPI, allreduce of 4 KiB to 16 MiB, in alternating rounds:
 #   default             this checkout's bench/allreduce, no --topology
 #   ring, recursive-doubling, halving-doubling   --topology NAME
+#   hierarchical        --topology hierarchical (its schedule across machines tried and kept as the
+#                       default keeps its own), on hosts of several ranks
 #   openmpi-tuned       MPI_Allreduce of the same values (bench/allreduce --collective mpi-allreduce)
 #   openmpi-han         ... its hierarchical collectives, on hosts of several ranks
 # Each run's JSON goes to this folder (SHAPE-NAME-ROUND.json); summarize.py writes summary.json and
@@ -64,6 +66,9 @@ for round in $(seq 1 "$rounds"); do
   # more than the 16 x 8 ranks' machine holds; on hosts it stops at 1 MiB.
   gradsync recursive-doubling --topology recursive-doubling $([[ $shape == hosts ]] && echo --max-bytes 1M)
   gradsync halving-doubling --topology halving-doubling
-  [[ $shape == hosts && $per_host -gt 1 ]] && openmpi openmpi-han --mca coll_han_priority 100
+  if [[ $shape == hosts && $per_host -gt 1 ]]; then
+    gradsync hierarchical --topology hierarchical
+    openmpi openmpi-han --mca coll_han_priority 100
+  fi
 done
 python3 "$here/summarize.py"
