@@ -193,6 +193,30 @@ std::vector<std::vector<Model>> results_of(int n, const std::vector<Spec>& specs
   return outputs;
 }
 
+// The lines Synchronizers log (Options::log), from any rank's thread, in the order they came.
+struct Logged {
+  std::mutex mutex;
+  std::vector<std::string> lines;
+  // `options`, logging here.
+  Options into(Options options) {
+    options.log = [this](std::string_view line) {
+      std::lock_guard lock(mutex);
+      lines.emplace_back(line);
+    };
+    return options;
+  }
+};
+
+// Every iteration's averages right, and every rank the same bits (inputs as in results_of()).
+void check_every_iteration(int n, const std::vector<Spec>& specs, const std::vector<std::vector<Model>>& outputs) {
+  for (std::size_t it = 0; it < outputs.size(); ++it) {
+    CAPTURE(it);
+    std::vector<Model> inputs(static_cast<std::size_t>(n), Model(specs));
+    for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
+    check_averages(inputs, outputs[it], 0);
+  }
+}
+
 // A ring that does not describe its pipeline, as a user's own topology might not.
 struct RingWithoutShape {
   topology::Ring ring;
@@ -286,13 +310,9 @@ TEST_SUITE("synchronizer") {
         const int n = shape.first * shape.second;
         CAPTURE(n);
         CAPTURE(shape.second);
-        const auto outputs = results_of<Sync>(n, mixed, 2, {.executor = executor}, {},
-                                              {.ranks_per_machine = shape.second, .chunk_elements = 29});
-        for (std::size_t it = 0; it < outputs.size(); ++it) {
-          std::vector<Model> inputs(static_cast<std::size_t>(n), Model(mixed));
-          for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
-          check_averages(inputs, outputs[it], 0);
-        }
+        check_every_iteration(n, mixed,
+                              results_of<Sync>(n, mixed, 2, {.executor = executor}, {},
+                                               {.ranks_per_machine = shape.second, .chunk_elements = 29}));
       }
   }
 
@@ -350,13 +370,9 @@ TEST_SUITE("synchronizer") {
     for (Executor executor : {Executor::task_graph, Executor::serial})
       for (int n : {2, 3}) {
         CAPTURE(n);
-        std::mutex mutex;
-        std::vector<std::string> logs;
-        Options options{.executor = executor, .selective_compression = true};
-        options.log = [&](std::string_view line) {
-          std::lock_guard lock(mutex);
-          logs.emplace_back(line);
-        };
+        Logged logged;
+        const Options options = logged.into({.executor = executor, .selective_compression = true});
+        const std::vector<std::string>& logs = logged.lines;
         const auto ring = results_of<Synchronizer<bucketing::PerTensor, C, topology::Ring, InProcess>>(
             n, specs, 2, options, {}, {});
         const auto ps = results_of<Synchronizer<bucketing::PerTensor, C, topology::ParameterServer, InProcess>>(
@@ -400,19 +416,9 @@ TEST_SUITE("synchronizer") {
     for (Executor executor : {Executor::task_graph, Executor::serial})
       for (int n : {3, 4}) {
         CAPTURE(n);
-        std::mutex mutex;
-        std::vector<std::string> logs;
-        Options options{.executor = executor};
-        options.log = [&](std::string_view line) {
-          std::lock_guard lock(mutex);
-          logs.emplace_back(line);
-        };
-        const auto outputs = results_of<Sync>(n, specs, 2, options, {}, {});
-        for (std::size_t it = 0; it < outputs.size(); ++it) {
-          std::vector<Model> inputs(static_cast<std::size_t>(n), Model(specs));
-          for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
-          check_averages(inputs, outputs[it], 0);
-        }
+        Logged logged;
+        check_every_iteration(n, specs, results_of<Sync>(n, specs, 2, logged.into({.executor = executor}), {}, {}));
+        const std::vector<std::string>& logs = logged.lines;
         // Rank 0 alone logs the measured link and every bucket's choice.
         REQUIRE(logs.size() == 1);
         CHECK(logs[0].starts_with("gradsync auto(recursive-doubling | halving-doubling | ring(chunk=262144), link measured, "
@@ -429,20 +435,9 @@ TEST_SUITE("synchronizer") {
     for (Executor executor : {Executor::task_graph, Executor::serial}) {
       CAPTURE(executor == Executor::serial);
       constexpr int n = 4;
-      std::mutex mutex;
-      std::vector<std::string> logs;
-      Options options{.executor = executor};
-      options.log = [&](std::string_view line) {
-        std::lock_guard lock(mutex);
-        logs.emplace_back(line);
-      };
-      const auto outputs = results_of<Sync>(n, specs, 16, options, {}, {});
-      for (std::size_t it = 0; it < outputs.size(); ++it) {
-        CAPTURE(it);
-        std::vector<Model> inputs(static_cast<std::size_t>(n), Model(specs));
-        for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
-        check_averages(inputs, outputs[it], 0);  // every rank the same bits, too
-      }
+      Logged logged;
+      check_every_iteration(n, specs, results_of<Sync>(n, specs, 16, logged.into({.executor = executor}), {}, {}));
+      const std::vector<std::string>& logs = logged.lines;
       // The link's log, then rank 0's account of what the trials measured and what was kept.
       REQUIRE(logs.size() >= 2);
       CHECK(logs[1].find("chosen by measured times") != std::string::npos);
@@ -461,20 +456,9 @@ TEST_SUITE("synchronizer") {
     if constexpr (std::same_as<Topology, topology::Auto<>>) topology.machines = {.ranks_per_machine = 2, .chunk_elements = 1000};
     else topology = {.ranks_per_machine = 2, .chunk_elements = 1000};
     constexpr int n = 6;
-    std::mutex mutex;
-    std::vector<std::string> logs;
-    Options options;
-    options.log = [&](std::string_view line) {
-      std::lock_guard lock(mutex);
-      logs.emplace_back(line);
-    };
-    const auto outputs = results_of<Sync>(n, specs, 26, options, {}, topology);
-    for (std::size_t it = 0; it < outputs.size(); ++it) {
-      CAPTURE(it);
-      std::vector<Model> inputs(static_cast<std::size_t>(n), Model(specs));
-      for (int r = 0; r < n; ++r) inputs[static_cast<std::size_t>(r)].fill(r, static_cast<int>(it));
-      check_averages(inputs, outputs[it], 0);
-    }
+    Logged logged;
+    check_every_iteration(n, specs, results_of<Sync>(n, specs, 26, logged.into({}), {}, topology));
+    const std::vector<std::string>& logs = logged.lines;
     // The two links measured apart, then the decisions among the candidates, by name.
     REQUIRE(logs.size() >= 2);
     CHECK(logs[0].find(" within a machine, ") != std::string::npos);

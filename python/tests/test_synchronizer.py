@@ -22,6 +22,7 @@ def expected_average(ranks, step, shapes):
     (4, 1, "time-clustered", "none", "recursive-doubling"),
     (4, 1, "fixed-size", "none", "halving-doubling"),
     (4, 2, "time-clustered", "none", "hierarchical"),
+    (4, 2, "fixed-size", "none", "auto"),  # on 2 machines of 2: the links measured per level
     (4, 1, "per-tensor", "none", "parameter-server"),
 ])
 def test_average_on_every_rank(job, ranks, machines, bucketing, codec, topology):
