@@ -5,6 +5,7 @@
 //             [--step-factor F] [--iters I] [--warmup W] [--codec NAME] [--threshold T] [--keep F]
 //             [--topology auto|ring|recursive-doubling|halving-doubling|parameter-server|hierarchical]
 //             [--partitions P] [--ranks-per-machine L] [--across auto|ring|recursive-doubling|halving-doubling]
+//             [--within auto|ring|leader]
 //             [--chunk-bytes B] [--data gradient|constant] [--json PATH]
 //
 // in-process: N ranks as threads of this process. shm: one rank per process, all on one machine,
@@ -22,7 +23,7 @@
 // measured first (engine::measure_links) order the candidates and rule out the hopeless, then each
 // runs a few untimed iterations and the ranks agree on the one whose slowest rank was fastest
 // (engine::ScheduleTuner); only that one is timed. The table's last column and the JSON say which.
-// --topology hierarchical with --across auto chooses its schedule across machines the same way.
+// --topology hierarchical with --across or --within auto chooses its arrangement the same way.
 //
 // Every iteration starts and ends at a barrier; an iteration's time is the slowest rank's; the table shows
 // the median over --iters iterations after --warmup. algbw = bytes / time; busbw = algbw *
@@ -89,6 +90,7 @@ struct Config {
   std::size_t partitions = 0;  // parameter server: 0 = one per rank
   int ranks_per_machine = 0;   // hierarchical: L; 0 until parsed, then LOCAL_WORLD_SIZE, else 1
   std::string across = "auto";  // hierarchical: its schedule across machines
+  std::string within = "auto";  // hierarchical: the rings within machines, or a leader
   std::size_t chunk_bytes = 0;  // 0: the topology's own
   std::string data = "gradient";
   std::string json;
@@ -104,6 +106,7 @@ struct Row {
   bool checked = true;
   std::string topology;  // the schedule this size ran: --topology auto chooses per size
   std::string across;    // hierarchical: the schedule across machines this size ran (--across auto chooses)
+  std::string within;    // hierarchical: ring or leader (--within auto chooses)
   std::optional<LinkModel> link;         // what auto measured before choosing (hierarchical: within a machine)
   std::optional<LinkModel> link_across;  // hierarchical: what --across auto measured between machines
   // auto: the tuner's account of its trials (agreed times per candidate), how many iterations it
@@ -145,14 +148,18 @@ topology::ParameterServer parameter_server(const Config& cfg) {
   return {.partitions = cfg.partitions, .chunk_elements = chunk_elements(cfg, topology::ParameterServer{}.chunk_elements)};
 }
 
-// --across's names, in Hierarchical::Across's order.
+// --across's and --within's names, in Hierarchical::Across's and Within's orders.
 const std::vector<std::string> across_names{"auto", "ring", "recursive-doubling", "halving-doubling"};
+const std::vector<std::string> within_names{"auto", "ring", "leader"};
 
 topology::Hierarchical hierarchical(const Config& cfg) {
-  const auto named = std::find(across_names.begin(), across_names.end(), cfg.across);
+  const auto named = [](const std::vector<std::string>& names, const std::string& name) {
+    return static_cast<std::uint8_t>(std::find(names.begin(), names.end(), name) - names.begin());
+  };
   return {.ranks_per_machine = cfg.ranks_per_machine,
           .chunk_elements = chunk_elements(cfg, topology::Hierarchical{}.chunk_elements),
-          .across = static_cast<topology::Hierarchical::Across>(named - across_names.begin())};
+          .across = static_cast<topology::Hierarchical::Across>(named(across_names, cfg.across)),
+          .within = static_cast<topology::Hierarchical::Within>(named(within_names, cfg.within))};
 }
 
 // --topology auto: its candidates with the pieces asked for, the hierarchical ones over machines of
@@ -210,12 +217,12 @@ void log_depth_average(const Codec& codec, std::vector<float> value, int divisor
 // on a ring each segment's partial sum passes through the codec once per hop, in the ring's order;
 // on a parameter server each part's root adds the others' values (each through the codec) to its
 // own, in group order; by recursive doubling or halving-doubling as log_depth_average has it;
-// hierarchically each machine sums its ranks' values as they are, in ring order round the machine,
-// and the machines' sums go round a ring through the codec, or through the log-depth schedule
-// across (hierarchical.hpp).
+// hierarchically each machine sums its ranks' values as they are, in ring order round the machine
+// (through a leader: from local rank 0, over the whole bucket), and the machines' sums go round a
+// ring through the codec, or through the log-depth schedule across (hierarchical.hpp).
 template <class Codec>
 std::vector<float> expected_average(const Codec& codec, int n, std::size_t count, const Config& cfg,
-                                    const std::string& schedule, const std::string& across) {
+                                    const std::string& schedule, const std::string& across, const std::string& within) {
   const auto through = [&](float v) { return compression::round_trip(codec, v); };
   std::vector<float> expected(count);
   const auto fill = [&](ElemRange range, float value) {
@@ -224,13 +231,14 @@ std::vector<float> expected_average(const Codec& codec, int n, std::size_t count
   };
   if (schedule == "hierarchical") {
     const int per_machine = cfg.ranks_per_machine, machines = hierarchical(cfg).machines(Group::world(0, n));
-    for (int s = 0; s < per_machine; ++s) {
+    const int shards = within == "leader" ? 1 : per_machine;
+    for (int s = 0; s < shards; ++s) {
       const auto machine_sum = [&](int m) {  // rank m*L + l contributes m*L + l + 1
         float sum = static_cast<float>(m * per_machine + s + 1);
         for (int k = 1; k < per_machine; ++k) sum = static_cast<float>(m * per_machine + (s + k) % per_machine + 1) + sum;
         return sum;
       };
-      const ElemRange shard = topology::Ring::segment(count, per_machine, s);
+      const ElemRange shard = topology::Ring::segment(count, shards, s);
       if (across != "ring") {
         std::vector<float> sums;
         for (int m = 0; m < machines; ++m) sums.push_back(machine_sum(m));
@@ -381,8 +389,8 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
   const topology::ParameterServer ps = parameter_server(cfg);
   topology::Hierarchical hier = hierarchical(cfg);
   topology::Auto<> chooser = auto_topology(cfg);
-  // Auto, and Hierarchical's choice across machines, are measured and tuned as a Synchronizer does.
-  const bool hierarchical_chooses = cfg.topology == "hierarchical" && cfg.across == "auto" && hier.machines(group) > 1;
+  // Auto, and Hierarchical's arrangement, are measured and tuned as a Synchronizer does.
+  const bool hierarchical_chooses = cfg.topology == "hierarchical" && hier.chooses() && hier.machines(group) > 1;
   const bool tuned = n > 1 && (cfg.topology == "auto" || hierarchical_chooses);
   engine::ControlChannel<X> control(transport, group, std::chrono::minutes(2));
   if (tuned) {
@@ -402,11 +410,19 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     }
     return "hierarchical";
   };
+  const auto arrangement = [&](std::size_t count) -> std::optional<topology::Hierarchical::Arrangement> {
+    if (cfg.topology == "hierarchical") return hier.choice_for(group, count);
+    if (chosen(count) != "hierarchical") return std::nullopt;
+    return topology::Hierarchical::candidate(static_cast<std::size_t>(chooser.choose(group, count)) -
+                                             topology::Auto<>::flat_candidates);
+  };
   const auto across = [&](std::size_t count) -> std::string {
-    if (cfg.topology == "hierarchical") return topology::Hierarchical::name(hier.across_for(group, count));
-    if (chosen(count) != "hierarchical") return "";
-    const auto k = static_cast<std::size_t>(chooser.choose(group, count)) - topology::Auto<>::flat_candidates;
-    return topology::Hierarchical::name(topology::Hierarchical::candidate_across(k));
+    const auto a = arrangement(count);
+    return a ? topology::Hierarchical::name(a->across) : "";
+  };
+  const auto within = [&](std::size_t count) -> std::string {
+    const auto a = arrangement(count);
+    return a ? topology::Hierarchical::name(a->within) : "";
   };
   const auto schedule = [&](std::size_t count) {
     const std::string name = chosen(count);
@@ -432,6 +448,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     const std::size_t count = bytes / sizeof(float);
     chooser.pinned.reset();  // the prior's choice, until the tuner has one
     hier.across = hierarchical(cfg).across;
+    hier.within = hierarchical(cfg).within;
     engine::BucketExchange<Codec, X> exchange(schedule(count), codec, DType::f32, false, &transport);
     // From the transport's own memory where it has some (SharedMemory: one memcpy per message).
     const gradsync::detail::TransportBuffer<X> storage(&transport, count * sizeof(float));
@@ -487,9 +504,12 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
     if (tuned && cfg.topology == "auto")
       explore(chooser, [&](std::size_t k) { chooser.pinned = static_cast<topology::Auto<>::Choice>(k); });
     else if (tuned)
-      explore(hier, [&](std::size_t k) { hier.across = topology::Hierarchical::candidate_across(k); });
+      explore(hier, [&](std::size_t k) {
+        hier.across = topology::Hierarchical::candidate(k).across;
+        hier.within = topology::Hierarchical::candidate(k).within;
+      });
     const std::vector<float> expected =
-        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count), across(count))
+        !gradient && elementwise<Codec> ? expected_average(codec, n, count, cfg, chosen(count), across(count), within(count))
                                         : std::vector<float>{};
     std::vector<double> times;
     std::uint64_t wrong = 0;
@@ -508,7 +528,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
       coordination.reduce_to_root(trial_times, none);
     }
     if (transport.rank() == 0)
-      rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count), across(count),
+      rows.push_back({count * sizeof(float), tk::median(times), 0, wrong, checked, chosen(count), across(count), within(count),
                       cfg.topology == "auto" && tuned ? std::optional(chooser.link)
                       : hierarchical_chooses          ? std::optional(hier.link)
                                                       : std::nullopt,
@@ -640,6 +660,10 @@ void declare_options(CLI::App& app, Config& cfg) {
                  "hierarchical: the schedule across machines; auto: per size, by the links it measures within and "
                  "across machines",
                  across_names);
+  tk::add_choice(app, "--within", cfg.within,
+                 "hierarchical: the rings among a machine's ranks, or each machine's buckets through one rank "
+                 "(leader); auto: per size, as --across",
+                 within_names);
   tk::add_byte_size(app, "--chunk-bytes", cfg.chunk_bytes,
                     "the topology's piece size (default: its own, 1 MiB for ring and parameter server, 256 KiB for "
                     "hierarchical)",
@@ -693,7 +717,9 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
     fmt::print("  {:>12} {:>11} {:>5} {:>11.1f} {:>8.3f} {:>8.3f} {:>11.1f} {:>9.2f} {:>6}  {}\n", row.bytes,
                row.bytes / sizeof(float), "float", row.time_us, algbw, algbw * tk::bus_factor(ranks), row.memcpy_us,
                row.time_us / row.memcpy_us, row.checked ? fmt::to_string(row.wrong) : "-",
-               row.across.empty() ? row.topology : fmt::format("{} ({} across)", row.topology, row.across));
+               row.across.empty()         ? row.topology
+               : row.within == "leader" ? fmt::format("{} (leader, {} across)", row.topology, row.across)
+                                        : fmt::format("{} ({} across)", row.topology, row.across));
     wrong += row.wrong;
   }
   fmt::print("# {}: {} {}\n", cfg.data == "gradient" ? "ranks differing" : "out of bounds values", wrong,
@@ -724,6 +750,7 @@ void report(const Config& cfg, int ranks, const std::vector<Row>& rows) {
                     {"wrong", r.checked ? tk::Json(r.wrong) : tk::Json()}});
     if (cfg.topology == "hierarchical" || cfg.topology == "auto") json.back()["ranks_per_machine"] = cfg.ranks_per_machine;
     if (!r.across.empty()) json.back()["across"] = r.across;
+    if (!r.within.empty()) json.back()["within"] = r.within;
     // The link the run measured (# link measured), which bench/scale_model --validate predicts with.
     if (r.link) {
       json.back()["link_latency_us"] = tk::rounded(r.link->latency * 1e6, 3);

@@ -114,7 +114,7 @@ inline double hierarchical_seconds(const Cluster& c, int ranks, std::size_t elem
                                             .link_across = shared(c.link, c.ranks_per_machine),
                                             .measure_link = false};
   const Group group = Group::world(0, ranks);
-  return hierarchical.predicted(group, elements, hierarchical.across_for(group, elements));
+  return hierarchical.predicted(group, elements, hierarchical.choice_for(group, elements));
 }
 
 // A codec as the model needs it: its wire size for a piece of n f32 values (the codec's own

@@ -170,14 +170,17 @@ class HalvingDoublingReference : Reference<C> {
 // topology::Hierarchical with a log-depth schedule across machines, written out: shard s of L is
 // summed within each machine starting at local rank s and going round (as with the ring across),
 // and the machines' sums of the shard are allreduced by `Written` over the M machines, divided by
-// n = M*L. Every rank's values.
+// n = M*L. Through a leader the whole bucket is one shard, summed from local rank 0. Every rank's
+// values.
 template <template <class> class Written, class C>
-std::vector<float> hierarchical_reference(const C& codec, int per_machine, const std::vector<std::vector<float>>& inputs) {
+std::vector<float> hierarchical_reference(const C& codec, int per_machine, const std::vector<std::vector<float>>& inputs,
+                                          bool through_leader = false) {
   const int n = static_cast<int>(inputs.size()), machines = n / per_machine;
   const std::size_t elements = inputs[0].size();
   std::vector<float> out(elements);
-  for (int s = 0; s < per_machine; ++s) {
-    const ElemRange shard = topology::Ring::segment(elements, per_machine, s);
+  const int shards = through_leader ? 1 : per_machine;
+  for (int s = 0; s < shards; ++s) {
+    const ElemRange shard = topology::Ring::segment(elements, shards, s);
     std::vector<std::vector<float>> sums(static_cast<std::size_t>(machines), std::vector<float>(shard.size()));
     for (int m = 0; m < machines; ++m)
       for (std::size_t e = shard.begin; e < shard.end; ++e) {
@@ -365,18 +368,22 @@ TEST_SUITE("log-depth allreduce") {
                       x.range.end == y.range.end && x.slot == y.slot && x.after == y.after;
              });
     };
+    using Within = topology::Hierarchical::Within;
     const topology::Auto<> chooser{.machines = {.ranks_per_machine = 2, .chunk_elements = 500}};
-    const std::pair<Choice, Across> machine_candidates[] = {{Choice::machines_recursive_doubling, Across::recursive_doubling},
-                                                            {Choice::machines_halving_doubling, Across::halving_doubling},
-                                                            {Choice::machines_ring, Across::ring}};
+    const std::tuple<Choice, Within, Across> machine_candidates[] = {
+        {Choice::machines_recursive_doubling, Within::ring, Across::recursive_doubling},
+        {Choice::machines_halving_doubling, Within::ring, Across::halving_doubling},
+        {Choice::machines_ring, Within::ring, Across::ring},
+        {Choice::machines_leader_recursive_doubling, Within::leader, Across::recursive_doubling},
+        {Choice::machines_leader_halving_doubling, Within::leader, Across::halving_doubling}};
     for (int n : {4, 6, 8}) {
       CAPTURE(n);
       for (int rank = 0; rank < n; ++rank) {
         const Group group = Group::world(rank, n);
         CHECK(chooser.spans_machines(group));
         CHECK(chooser.measured_ranks_per_machine(group) == 2);
-        for (const auto& [choice, across] : machine_candidates) {
-          const topology::Hierarchical fixed{.ranks_per_machine = 2, .chunk_elements = 500, .across = across};
+        for (const auto& [choice, within, across] : machine_candidates) {
+          const topology::Hierarchical fixed{.ranks_per_machine = 2, .chunk_elements = 500, .across = across, .within = within};
           topology::Auto<> pinned = chooser;
           pinned.pinned = choice;
           for (std::size_t elements : {1u, 1000u, 7777u}) {
@@ -410,40 +417,68 @@ TEST_SUITE("log-depth allreduce") {
     CHECK(measured.choose(Group::world(0, 128), 16384) >= Choice::machines_recursive_doubling);
     CHECK(measured.choose(Group::world(0, 8), 16384) < Choice::machines_recursive_doubling);  // one machine
     CHECK(measured.candidate_name(static_cast<std::size_t>(Choice::machines_ring)) == "hierarchical, ring across");
-    // Hierarchical alone: its three schedules across are its candidates; on one machine only the ring.
+    CHECK(measured.candidate_name(static_cast<std::size_t>(Choice::machines_leader_halving_doubling)) ==
+          "hierarchical through a leader, halving-doubling across");
+    // Hierarchical alone: its five arrangements are its candidates. On one machine they are all the
+    // ring's schedule, so one is offered; with one rank a machine a leader is the rings within; a
+    // `within` or `across` that is set leaves what it allows.
     const topology::Hierarchical hierarchical{.ranks_per_machine = 2};
+    const auto offered = [](const topology::Hierarchical& h, const Group& group) {
+      std::vector<std::size_t> ks;
+      for (std::size_t k = 0; k < topology::Hierarchical::candidates; ++k)
+        if (std::isfinite(h.candidate_seconds(k, group, 1000, 4))) ks.push_back(k);
+      return ks;
+    };
     CHECK(hierarchical.tunes());
-    CHECK_FALSE(topology::Hierarchical{.ranks_per_machine = 2, .across = Across::ring}.tunes());
-    for (std::size_t k = 0; k < topology::Hierarchical::candidates; ++k) {
-      CHECK(std::isfinite(hierarchical.candidate_seconds(k, Group::world(0, 6), 1000, 4)));
-      CHECK(std::isfinite(hierarchical.candidate_seconds(k, Group::world(0, 2), 1000, 4)) ==
-            (topology::Hierarchical::candidate_across(k) == Across::ring));
-    }
+    CHECK(offered(hierarchical, Group::world(0, 6)) == std::vector<std::size_t>{0, 1, 2, 3, 4});
+    CHECK(offered(hierarchical, Group::world(0, 2)) == std::vector<std::size_t>{0});
+    CHECK(offered(topology::Hierarchical{.ranks_per_machine = 1}, Group::world(0, 4)) == std::vector<std::size_t>{0, 1, 2});
+    const topology::Hierarchical ring_across{.ranks_per_machine = 2, .across = Across::ring};
+    CHECK_FALSE(ring_across.tunes());  // the ring across has no leader: one arrangement
+    CHECK(offered(ring_across, Group::world(0, 6)) == std::vector<std::size_t>{2});
+    const topology::Hierarchical doubling{.ranks_per_machine = 2, .across = Across::recursive_doubling};
+    CHECK(doubling.tunes());
+    CHECK(offered(doubling, Group::world(0, 6)) == std::vector<std::size_t>{0, 3});
+    CHECK(offered(doubling, Group::world(0, 2)) == std::vector<std::size_t>{0});
+    const topology::Hierarchical leader{.ranks_per_machine = 2, .within = Within::leader};
+    CHECK(offered(leader, Group::world(0, 6)) == std::vector<std::size_t>{3, 4});
+    CHECK(offered(leader, Group::world(0, 2)) == std::vector<std::size_t>{3});  // the ring's, whatever it is called
+    // A leader with the ring across is nothing this topology runs: refused by name.
+    const topology::Hierarchical nothing{.ranks_per_machine = 2, .across = Across::ring, .within = Within::leader};
+    CHECK(offered(nothing, Group::world(0, 6)).empty());
+    CHECK_THROWS_WITH_AS(nothing.schedule(Group::world(0, 6), 1000, {}), doctest::Contains("within = leader"), Error);
   }
 
-  TEST_CASE_TEMPLATE("Hierarchical across machines by recursive doubling or halving-doubling: every rank the reference's bits",
+  TEST_CASE_TEMPLATE("Hierarchical across machines by recursive doubling or halving-doubling, after the rings within or "
+                     "through a leader: every rank the reference's bits",
                      C, compression::None, compression::Fp16, compression::Bf16) {
     using Across = topology::Hierarchical::Across;
+    using Within = topology::Hierarchical::Within;
     const C codec;
     // (machines, ranks per machine); 3 and 5 machines fold.
     for (const auto& [machines, per_machine] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {3, 2}, {4, 2}, {5, 2}, {4, 1}})
       for (std::size_t elements : {1u, 7u, 1000u})
         for (std::size_t chunk : {std::size_t{16}, std::size_t{1} << 16})
-          for (Across across : {Across::recursive_doubling, Across::halving_doubling}) {
+          for (Across across : {Across::recursive_doubling, Across::halving_doubling})
+          for (Within within : {Within::ring, Within::leader}) {
             const int n = machines * per_machine;
             CAPTURE(machines);
             CAPTURE(per_machine);
             CAPTURE(elements);
             CAPTURE(chunk);
             CAPTURE(std::string(topology::Hierarchical::name(across)));
+            CAPTURE(std::string(topology::Hierarchical::name(within)));
             std::vector<std::vector<std::vector<float>>> inputs(1);
             for (int r = 0; r < n; ++r) inputs[0].push_back(test::random_values(elements, 53u * static_cast<unsigned>(r) + elements));
             const auto outputs =
-                run(codec, topology::Hierarchical{.ranks_per_machine = per_machine, .chunk_elements = chunk, .across = across},
+                run(codec,
+                    topology::Hierarchical{
+                        .ranks_per_machine = per_machine, .chunk_elements = chunk, .across = across, .within = within},
                     inputs)[0];
+            const bool leader = within == Within::leader;
             const auto expected = across == Across::recursive_doubling
-                                      ? hierarchical_reference<Butterfly>(codec, per_machine, inputs[0])
-                                      : hierarchical_reference<HalvingDoublingReference>(codec, per_machine, inputs[0]);
+                                      ? hierarchical_reference<Butterfly>(codec, per_machine, inputs[0], leader)
+                                      : hierarchical_reference<HalvingDoublingReference>(codec, per_machine, inputs[0], leader);
             for (int r = 0; r < n; ++r) {
               CAPTURE(r);
               REQUIRE(std::memcmp(outputs[static_cast<std::size_t>(r)].data(), expected.data(), elements * sizeof(float)) == 0);
@@ -454,18 +489,21 @@ TEST_SUITE("log-depth allreduce") {
   TEST_CASE("Hierarchical chooses its schedule across machines by its two links, the same for every rank of the group") {
     using Across = topology::Hierarchical::Across;
     // 16 machines of 8: fast links within, a machine's 1 Gbit/s shared by its 8 ranks across.
-    topology::Hierarchical h{.ranks_per_machine = 8, .measure_link = false};
+    using Within = topology::Hierarchical::Within;
+    using Arrangement = topology::Hierarchical::Arrangement;
+    topology::Hierarchical h{.ranks_per_machine = 8, .within = Within::ring, .measure_link = false};
     h.link = {.latency = 20e-6, .seconds_per_byte = 1.0 / 5e9};
     h.link_across = {.latency = 200e-6, .seconds_per_byte = 8.0 / 125e6};
     const Group group = Group::world(0, 128);
-    CHECK(h.across_for(group, 1024) == Across::recursive_doubling);       // 4 KiB: latency
-    CHECK(h.across_for(group, std::size_t{1} << 16) == Across::halving_doubling);
-    CHECK(h.across_for(group, std::size_t{1} << 24) == Across::ring);    // 64 MiB: the pipeline hides the phases within
+    const auto across_for = [&](const Group& g, std::size_t elements) { return h.choice_for(g, elements).across; };
+    CHECK(across_for(group, 1024) == Across::recursive_doubling);       // 4 KiB: latency
+    CHECK(across_for(group, std::size_t{1} << 16) == Across::halving_doubling);
+    CHECK(across_for(group, std::size_t{1} << 24) == Across::ring);    // 64 MiB: the pipeline hides the phases within
     // As buckets grow the choice moves only towards the bandwidth end.
     const auto towards_bandwidth = [](Across a) { return a == Across::recursive_doubling ? 0 : a == Across::halving_doubling ? 1 : 2; };
     int last = 0;
     for (std::size_t e = 1; e <= (std::size_t{1} << 26); e *= 2) {
-      const int now = towards_bandwidth(h.across_for(group, e));
+      const int now = towards_bandwidth(across_for(group, e));
       CHECK(now >= last);
       last = now;
     }
@@ -479,13 +517,19 @@ TEST_SUITE("log-depth allreduce") {
     }
     // A named schedule across stands whatever the links say; one machine has no hops across.
     h.across = Across::halving_doubling;
-    CHECK(h.across_for(group, 1024) == Across::halving_doubling);
-    CHECK(h.across_for(Group::world(0, 8), 1024) == Across::ring);
-    CHECK(h.describe() == "hierarchical(ranks-per-machine=8, chunk=65536, across=halving-doubling)");
+    CHECK(across_for(group, 1024) == Across::halving_doubling);
+    CHECK(across_for(Group::world(0, 8), 1024) == Across::ring);
+    CHECK(h.describe() == "hierarchical(ranks-per-machine=8, chunk=65536, within=ring, across=halving-doubling)");
     h.across = Across::automatic;
     CHECK(h.describe() ==
-          "hierarchical(ranks-per-machine=8, chunk=65536, across=auto, links 20.0 us + 5.000 GB/s within, 200.0 us + "
-          "0.016 GB/s across)");
+          "hierarchical(ranks-per-machine=8, chunk=65536, within=ring, across=auto, links 20.0 us + 5.000 GB/s within, "
+          "200.0 us + 0.016 GB/s across)");
+    // Within left to the links too: a small bucket goes through each machine's leader (two steps
+    // within, 16 ranks across, at the bandwidth one rank has alone), a large one round the rings,
+    // which share the adding and the machine's link out among its ranks.
+    h.within = Within::automatic;
+    CHECK(h.choice_for(group, 1024) == Arrangement{Within::leader, Across::recursive_doubling});
+    CHECK(h.choice_for(group, std::size_t{1} << 24) == Arrangement{Within::ring, Across::ring});
   }
 
   TEST_CASE("the links of a group of machines are measured level by level, and every rank gets the same figures") {

@@ -81,7 +81,7 @@ struct TunerSettings {
 
 class ScheduleTuner {
  public:
-  // `candidates`: how many the topology offers (topology::Auto: 6, of which 3 where a group is one level).
+  // `candidates`: how many the topology offers (topology::Auto: 8, of which 3 where a group is one level).
   ScheduleTuner(TunerSettings settings, std::size_t candidates) : settings_(settings), candidates_(candidates) {}
 
   // A new plan of buckets with these value counts; `predicted(bucket, candidate)` is the prior's

@@ -3,7 +3,7 @@
 // links: RecursiveDoubling for buckets whose time is latency (log2(p) steps, whole buckets),
 // HalvingDoubling between (2 log2(p) steps, 2(p-1)/p of the bucket), the Ring for those whose time
 // is bandwidth (pipelined pieces), and on a group of several machines of several ranks each
-// (`machines`, below) the three Hierarchical schedules too. It is the default wherever gradsync
+// (`machines`, below) Hierarchical's five arrangements too. It is the default wherever gradsync
 // picks a topology for the user (shipped::Topology, the Python module, the trainers and benchmarks).
 //
 // Each candidate predicts its time for a bucket (PredictedTopology, concepts.hpp) over `link`, one
@@ -16,9 +16,11 @@
 //
 // Machines. With `machines.ranks_per_machine` L above 1 (the trainers and the Python module set it
 // to the launcher's LOCAL_WORLD_SIZE) and a group of two or more whole machines of L ranks,
-// numbered machine-major, Hierarchical's schedules are candidates too, one per schedule across
-// machines (recursive doubling, halving-doubling, the ring: Hierarchical::candidate_*): a ring within
-// each machine, the exchange across over a shard, the ring within again. Their predictions take
+// numbered machine-major, Hierarchical's schedules are candidates too, one per arrangement
+// (Hierarchical::candidate): a ring within each machine, the exchange across over a shard
+// (recursive doubling, halving-doubling or the ring), the ring within again; or each machine's
+// buckets to one rank, recursive doubling or halving-doubling among those leaders, the average
+// back. Their predictions take
 // `machines.link` (within a machine) and `machines.link_across`; the flat candidates are predicted
 // over `link`, which is then the link across machines. On any other group they are not offered
 // (predicted at infinity, which the tuner reads as "not a candidate here").
@@ -65,14 +67,17 @@ template <PredictedTopology Small = RecursiveDoubling, PredictedTopology Middle 
           PredictedTopology Large = Ring>
 struct Auto {
   // The candidates, in TunedTopology's numbering: the three flat schedules, then Hierarchical's
-  // three in its own candidate order (recursive doubling, halving-doubling, the ring across).
+  // five in its own candidate order (the rings within with recursive doubling, halving-doubling or
+  // the ring across; a leader with recursive doubling or halving-doubling across).
   enum class Choice : std::uint8_t {
     small,
     middle,
     large,
     machines_recursive_doubling,
     machines_halving_doubling,
-    machines_ring
+    machines_ring,
+    machines_leader_recursive_doubling,
+    machines_leader_halving_doubling
   };
 
   Small small{};
@@ -82,8 +87,9 @@ struct Auto {
   bool measure_link = true;  // the Synchronizer replaces the links by what it measures (above)
   std::optional<Choice> pinned;  // every bucket takes this candidate (above)
   bool tune = true;              // the Synchronizer keeps what ran fastest (above)
-  // Hierarchical's schedules as candidates (the header's "Machines"); its `across` and `tune` are
-  // not read: each of its schedules across is a candidate of its own.
+  // Hierarchical's schedules as candidates (the header's "Machines"); its `tune` is not read (each
+  // arrangement is a candidate of its own), and a `within` or `across` set there leaves only the
+  // arrangements it allows.
   Hierarchical machines{.ranks_per_machine = 1};
 
   static constexpr std::size_t flat_candidates = 3;

@@ -1,7 +1,7 @@
 #pragma once
-// topology::Hierarchical — within each machine a ring, across machines whichever allreduce the
-// bucket's size calls for, within again: for several ranks per machine, where the links inside a
-// machine are fast and the links between machines are slow.
+// topology::Hierarchical — within each machine a ring (or a reduce to one rank), across machines
+// whichever allreduce the bucket's size calls for, within again: for several ranks per machine,
+// where the links inside a machine are fast and the links between machines are slow.
 //
 // The group is M machines of L = `ranks_per_machine` ranks, numbered machine-major: group indices
 // m*L .. m*L+L-1 are machine m's ranks, local ranks 0..L-1 (the numbering every launcher uses,
@@ -25,6 +25,20 @@
 // alone over the group (with the ring across, exactly Ring's). Message ids: the rings within a
 // machine take 0 .. 2(L-1)p-1 (p: pieces of their largest segment), phase 2 follows.
 //
+// Through a leader (`within = Within::leader`). For a small bucket the rings within cost more than
+// the bytes: 2(L-1) dependent hops, each a wake-up of a rank on a machine whose cores its L ranks
+// share, and every one of the L ranks takes part in the exchange across, so M*L ranks put messages
+// on the machines' links where M would do. Instead, as Open MPI's HAN and NCCL's trees within a
+// node do, each machine's ranks hand their whole buckets to local rank 0 in one step (uncompressed,
+// into raw slots), which adds them in local rank order (S_m = ((x[m,0] + x[m,1]) + ..) + x[m,L-1]),
+// runs recursive doubling or halving-doubling with the other machines' leaders over the whole
+// bucket through the codec (the log-depth schedule's own steps and order, dividing by n), and hands
+// the average back to each local rank in one step, as it is. Two dependent steps within, M ranks
+// across. The leader holds L-1 whole buckets of scratch, and the machine's link carries one rank's
+// messages, so where the bytes dominate the rings within (which share out the work) win; the ring
+// across is not offered through a leader (its pipeline needs the shards). Message ids: 0 the
+// buckets to the leader, 1 the average back, the schedule across from 2.
+//
 // Which schedule across. A bucket that is latency-bound across machines wants the log-depth
 // schedules (log2 M or 2 log2 M rounds where the ring takes 2(M-1) hops); a bandwidth-bound one
 // wants the ring, which alone is pipelined with the phases within (below), so that the link
@@ -36,10 +50,15 @@
 // then the butterfly's rounds among the counterparts, timed as schedules run them and every rank
 // at once, so a machine's link is timed shared by its L ranks), the slowest rank's figures, the
 // same on every rank; the choice is made for the bucket as a whole (its largest shard), so every
-// rank of every machine chooses alike. That prediction is the prior: with `tune` (the default) the
-// Synchronizer tries the three schedules across early in training and keeps the one that ran
-// fastest, as it does topology::Auto's candidates (engine::ScheduleTuner, TunedTopology); Auto
-// offers the same three among its own on a group of several machines.
+// rank of every machine chooses alike. The same prediction chooses between the rings within and
+// the leader (`within` automatic, the default): the leader's step within costs one latency and its
+// L-1 buckets' bytes, and its exchange across runs alone on the machine's link, so at L times the
+// per-rank bandwidth measured with every rank sending. That prediction is the prior: with `tune`
+// (the default) the Synchronizer tries the five arrangements (candidate(): the rings within with
+// each of the three schedules across, the leader with either log-depth one) early in training and
+// keeps the one that ran fastest, as it does topology::Auto's candidates (engine::ScheduleTuner,
+// TunedTopology); Auto offers the same five among its own on a group of several machines. A
+// `within` or `across` that is set, not automatic, leaves only the arrangements it allows.
 //
 // Pipelining, with the ring across. The three phases run piece by piece, not one after the other:
 // the ring across machines cuts each of its M segments of the shard into pieces of at most
@@ -67,7 +86,8 @@
 // local rank s-1 alone, which divides by n and, with a codec, replaces the result by
 // decode(encode(result)). With a log-depth schedule across, the machines' sums S_m are its inputs
 // and it sums them in its own order (recursive_doubling.hpp, halving_doubling.hpp), dividing by n.
-// Everyone else copies those bits, so every rank ends bit-identical.
+// Through a leader, the leader's sums S_m (above) are the log-depth schedule's inputs. Everyone
+// else copies those bits, so every rank ends bit-identical.
 //
 // Not a PipelineTopology: selective compression's cost model (engine/cost_model.hpp) knows one
 // kind of link, one transfer cost per byte, and this schedule's hops cross two very different ones
@@ -87,6 +107,7 @@
 
 #include "gradsync/concepts.hpp"
 #include "gradsync/error.hpp"
+#include "gradsync/topology/fold.hpp"
 #include "gradsync/topology/halving_doubling.hpp"
 #include "gradsync/topology/recursive_doubling.hpp"
 #include "gradsync/topology/ring.hpp"
@@ -97,6 +118,15 @@ namespace gradsync::topology {
 struct Hierarchical {
   // Phase 2's schedule (the header's "Which schedule across").
   enum class Across : std::uint8_t { automatic, ring, recursive_doubling, halving_doubling };
+  // Phases 1 and 3: the rings among a machine's ranks, or through its leader (the header's
+  // "Through a leader").
+  enum class Within : std::uint8_t { automatic, ring, leader };
+  // One of the schedules this topology can run: how within machines, how across.
+  struct Arrangement {
+    Within within = Within::ring;
+    Across across = Across::ring;
+    friend bool operator==(const Arrangement&, const Arrangement&) = default;
+  };
 
   int ranks_per_machine = 0;                          // L, required: at least 1, dividing the group size
   // 256 KiB of f32: a quarter of Ring's, because here a piece is also the unit of pipelining
@@ -104,10 +134,11 @@ struct Hierarchical {
   // within waits for the link): smaller pieces start and end the link sooner.
   std::size_t chunk_elements = std::size_t{1} << 16;
   Across across = Across::automatic;
+  Within within = Within::automatic;
   LinkModel link{};         // one message between two ranks of a machine (LinkAwareTopology)
   LinkModel link_across{};  // one message between machines, while every rank of the machine sends one
   bool measure_link = true;  // the Synchronizer replaces both links by what it measures (above)
-  bool tune = true;          // with `across` automatic, the Synchronizer keeps what ran fastest (above)
+  bool tune = true;          // with a choice left, the Synchronizer keeps what ran fastest (above)
 
   // How many columns the reduce-scatter within a machine may run ahead of the link: column j
   // starts once the first piece of column j - reduce_lead has come from across.
@@ -119,6 +150,14 @@ struct Hierarchical {
   // round), so the schedule is a PairOrderedTopology.
   static constexpr bool posts_pairs_in_order = true;
 
+  static const char* name(Within how) {
+    switch (how) {
+      case Within::automatic: return "auto";
+      case Within::ring: return "ring";
+      case Within::leader: break;
+    }
+    return "leader";
+  }
   static const char* name(Across how) {
     switch (how) {
       case Across::automatic: return "auto";
@@ -129,10 +168,17 @@ struct Hierarchical {
     return "halving-doubling";
   }
 
-  // Whether the Synchronizer should measure the links (LinkAwareTopology): only a choice across needs them.
-  bool measures_link() const noexcept { return measure_link && across == Across::automatic; }
-  // Whether the Synchronizer should choose across by measured times (TunedTopology).
-  bool tunes() const noexcept { return tune && across == Across::automatic; }
+  // Whether `within` and `across` allow more than one arrangement, which the links predict and
+  // measured times choose between.
+  bool chooses() const noexcept {
+    std::size_t allowed = 0;
+    for (std::size_t k = 0; k < candidates; ++k) allowed += allows(candidate(k)) ? 1 : 0;
+    return allowed > 1;
+  }
+  // Whether the Synchronizer should measure the links (LinkAwareTopology): only a choice needs them.
+  bool measures_link() const noexcept { return measure_link && chooses(); }
+  // Whether the Synchronizer should choose by measured times (TunedTopology).
+  bool tunes() const noexcept { return tune && chooses(); }
 
   // MachineLinkTopology: the ranks a machine has for the link measurement (throws where the group
   // is not whole machines), and the measured figures.
@@ -145,31 +191,48 @@ struct Hierarchical {
     link_across = across_machines;
   }
 
-  // TunedTopology: candidate k is the schedule with `across` made candidate_across(k), predicted
-  // by predicted(); with one machine only the ring's is offered (the others would be the same
-  // schedule), the rest predicted at infinity.
-  static constexpr std::size_t candidates = 3;
-  static constexpr Across candidate_across(std::size_t k) {
-    constexpr Across order[candidates] = {Across::recursive_doubling, Across::halving_doubling, Across::ring};
+  // TunedTopology: candidate k is arrangement candidate(k), predicted by predicted(). Offered are
+  // those `within` and `across` allow, less any that runs the same schedule on this group as an
+  // earlier one offered (one machine: every arrangement is a ring of one across; one rank a
+  // machine: a leader is the rings within); the rest are predicted at infinity.
+  static constexpr std::size_t candidates = 5;
+  static constexpr Arrangement candidate(std::size_t k) {
+    constexpr Arrangement order[candidates] = {{Within::ring, Across::recursive_doubling},
+                                               {Within::ring, Across::halving_doubling},
+                                               {Within::ring, Across::ring},
+                                               {Within::leader, Across::recursive_doubling},
+                                               {Within::leader, Across::halving_doubling}};
     return order[k];
   }
+  bool offers(std::size_t k, const Group& group) const {
+    if (!allows(candidate(k))) return false;
+    const bool one_machine = machines(group) == 1;
+    for (std::size_t j = 0; j < k; ++j)
+      if (allows(candidate(j)) &&
+          (one_machine || (ranks_per_machine == 1 && candidate(j).across == candidate(k).across)))
+        return false;
+    return true;
+  }
   Schedule candidate_schedule(std::size_t k, const Group& group, std::size_t elements, CodecTraits codec) const {
-    return schedule(candidate_across(k), group, elements, codec);
+    return schedule(candidate(k), group, elements, codec);
   }
   double candidate_seconds(std::size_t k, const Group& group, std::size_t elements, std::size_t /*value_bytes*/) const {
-    if (machines(group) == 1 && candidate_across(k) != Across::ring) return std::numeric_limits<double>::infinity();
-    return predicted(group, elements, candidate_across(k));
+    if (!offers(k, group)) return std::numeric_limits<double>::infinity();
+    return predicted(group, elements, candidate(k));
   }
-  std::string candidate_name(std::size_t k) const { return fmt::format("hierarchical, {} across", name(candidate_across(k))); }
+  std::string candidate_name(std::size_t k) const { return describe(candidate(k)); }
+  static std::string describe(Arrangement a) {
+    return fmt::format("hierarchical{}, {} across", a.within == Within::leader ? " through a leader" : "", name(a.across));
+  }
 
   std::string describe() const {
-    std::string links = measure_link || across != Across::automatic
+    std::string links = measure_link || !chooses()
                             ? std::string()
                             : fmt::format(", links {:.1f} us + {:.3f} GB/s within, {:.1f} us + {:.3f} GB/s across",
                                           link.latency * 1e6, gigabytes_per_second(link), link_across.latency * 1e6,
                                           gigabytes_per_second(link_across));
-    return fmt::format("hierarchical(ranks-per-machine={}, chunk={}, across={}{})", ranks_per_machine, chunk_elements,
-                       name(across), links);
+    return fmt::format("hierarchical(ranks-per-machine={}, chunk={}, within={}, across={}{})", ranks_per_machine,
+                       chunk_elements, name(within), name(across), links);
   }
 
   // M, the number of machines; throws if L does not divide the group.
@@ -186,14 +249,30 @@ struct Hierarchical {
     return group.size() / ranks_per_machine;
   }
 
-  // Seconds predicted for a bucket of `elements` f32 values with phase 2 done `how` (not
+  // Seconds predicted for a bucket of `elements` f32 values in arrangement `a` (neither half
   // automatic), over `link` and `link_across`, each phase's steps as the flat topologies predict
   // theirs (concepts.hpp, PredictedTopology), L and M given by the group:
+  //   through a leader: one latency and L-1 whole buckets within, each way, and the log-depth
+  //     schedule's prediction over M ranks and the whole bucket, on the link across at L times the
+  //     bandwidth each rank measured while all L sent (the leader sends alone);
   //   a log-depth schedule across: the ring within's 2(L-1) hops over the largest shard's pieces,
   //     then the log-depth schedule's own prediction over M ranks and that shard;
   //   the ring across: C columns overlapping, a column costing w within (reduce-scatter, then
   //     allgather: (L-1) hops each, M pieces a hop) and a across (2(M-1) hops of one piece):
   //     2w + a for the first, max(2w, a) for each other.
+  double predicted(const Group& group, std::size_t elements, Arrangement a) const {
+    if (a.within != Within::leader || ranks_per_machine == 1 || machines(group) == 1)
+      return predicted(group, elements, a.across);
+    const double gather = link.latency + (ranks_per_machine - 1) * static_cast<double>(elements * sizeof(float)) *
+                                             link.seconds_per_byte;
+    const LinkModel alone{.latency = link_across.latency, .seconds_per_byte = link_across.seconds_per_byte / ranks_per_machine};
+    const Group leaders = Group::world(0, machines(group));
+    return 2 * gather + (a.across == Across::halving_doubling
+                             ? HalvingDoubling{}.predicted_seconds(leaders, elements, sizeof(float), alone)
+                             : RecursiveDoubling{}.predicted_seconds(leaders, elements, sizeof(float), alone));
+  }
+
+  // The rings within with phase 2 done `how`.
   double predicted(const Group& group, std::size_t elements, Across how) const {
     const int machine_count = machines(group), local_count = ranks_per_machine;
     const std::size_t shard = segment(elements, local_count, 0).size();
@@ -223,31 +302,44 @@ struct Hierarchical {
     return 2 * column_within + column_across + (columns - 1) * std::max(2 * column_within, column_across);
   }
 
-  // Phase 2's schedule for a bucket of `elements` values: `across`, or where that is automatic the
-  // one predicted fastest, the smaller kind on a tie. One machine has no hops across, whatever
-  // `across` says: the ring's (a ring of one averages).
-  Across across_for(const Group& group, std::size_t elements) const {
-    if (machines(group) == 1 || elements == 0) return Across::ring;
-    if (across != Across::automatic) return across;
-    Across best = Across::recursive_doubling;
-    for (Across how : {Across::halving_doubling, Across::ring})
-      if (predicted(group, elements, how) < predicted(group, elements, best)) best = how;
-    return best;
+  // The arrangement a bucket of `elements` values takes without measured times: of those offered,
+  // the one predicted fastest, the earlier candidate on a tie. One machine has no hops across,
+  // whatever `within` and `across` say: the ring's (a ring of one averages). Throws Error where
+  // nothing is allowed (a leader with the ring across).
+  Arrangement choice_for(const Group& group, std::size_t elements) const {
+    if (machines(group) == 1 || elements == 0) return {Within::ring, Across::ring};
+    std::size_t best = candidates;
+    for (std::size_t k = 0; k < candidates; ++k)
+      if (offers(k, group) &&
+          (best == candidates || predicted(group, elements, candidate(k)) < predicted(group, elements, candidate(best))))
+        best = k;
+    if (best == candidates) throw refused();
+    return candidate(best);
   }
 
   // The choice for a bucket, for the Synchronizer's log.
   std::string choice(const Group& group, std::size_t elements) const {
-    return fmt::format("{} across {} machines", name(across_for(group, elements)), machines(group));
+    return fmt::format("{} over {} machines", describe(choice_for(group, elements)), machines(group));
   }
 
   Schedule schedule(const Group& group, std::size_t elements, CodecTraits codec) const {
-    return schedule(across_for(group, elements), group, elements, codec);
+    return schedule(choice_for(group, elements), group, elements, codec);
   }
 
-  // The schedule with phase 2 done `how` (automatic: the ring); one machine takes the ring's.
-  Schedule schedule(Across how, const Group& group, std::size_t elements, CodecTraits codec) const {
-    if (machines(group) == 1 || elements == 0) how = Across::ring;
-    switch (how) {
+  // The schedule of arrangement `a` (automatic halves as the ring); one machine takes the ring's,
+  // and one rank a machine needs no leader.
+  Schedule schedule(Arrangement a, const Group& group, std::size_t elements, CodecTraits codec) const {
+    if (machines(group) == 1 || elements == 0) return ring_across(group, elements, codec);
+    if (a.within == Within::leader && ranks_per_machine > 1) {
+      switch (a.across) {
+        case Across::recursive_doubling: return through_leader(RecursiveDoubling{}, group, elements, codec);
+        case Across::halving_doubling: return through_leader(HalvingDoubling{}, group, elements, codec);
+        case Across::automatic:
+        case Across::ring: break;
+      }
+      throw refused();
+    }
+    switch (a.across) {
       case Across::recursive_doubling: return log_depth_across(RecursiveDoubling{}, group, elements, codec);
       case Across::halving_doubling: return log_depth_across(HalvingDoubling{}, group, elements, codec);
       case Across::automatic:
@@ -257,6 +349,15 @@ struct Hierarchical {
   }
 
  private:
+  bool allows(Arrangement a) const noexcept {
+    return (within == Within::automatic || within == a.within) && (across == Across::automatic || across == a.across);
+  }
+  static Error refused() {
+    return Error(ErrorKind::invalid_argument, {.operation = "hierarchical topology"},
+                 "within = leader takes recursive doubling or halving-doubling across machines, not the ring "
+                 "(its pipeline needs every rank's shard)");
+  }
+
   static ElemRange segment(std::size_t elements, int parts, int index) { return detail::segment(elements, parts, index); }
   static double gigabytes_per_second(const LinkModel& l) { return l.seconds_per_byte > 0 ? 1e-9 / l.seconds_per_byte : 0.0; }
 
@@ -293,6 +394,45 @@ struct Hierarchical {
         out, across_schedule, counterparts(group), shard.begin,
         detail::RingPhases::message_count(ranks_per_machine, bucket, chunk_elements));
     for (std::size_t p = 0; p < within.piece_count(); ++p) within.allgather_piece(p, last_in_place);
+    return out;
+  }
+
+  // The header's "Through a leader": local rank 0 of each machine takes its machine's buckets
+  // (raw), adds them in local rank order, runs `log_depth`'s schedule with the other leaders over
+  // the whole bucket, and sends the average back; every other rank sends its bucket and receives
+  // the average in place, once its send has stopped reading.
+  template <class LogDepth>
+  Schedule through_leader(const LogDepth& log_depth, const Group& group, std::size_t elements, CodecTraits codec) const {
+    const int machine = group.rank / ranks_per_machine, leader = machine * ranks_per_machine;
+    Schedule out;
+    out.contributors = group.size();
+    detail::ScheduleBuilder b{out};
+    const ElemRange bucket{0, elements};
+    if (group.rank != leader) {
+      const std::uint32_t sent = b.add({.op = Step::Op::send, .peer = leader, .message = 0, .range = bucket});
+      b.add({.op = Step::Op::recv, .peer = leader, .message = 1, .range = bucket, .after = sent});
+      return out;
+    }
+    const auto local_ranks = static_cast<std::size_t>(ranks_per_machine);
+    std::vector<std::uint32_t> arrivals(local_ranks, no_step), slots(local_ranks, no_slot);
+    const auto post_arrival = [&](std::size_t q) {
+      slots[q] = b.slot(elements);
+      out.slot_raw.resize(out.slot_elements.size());
+      out.slot_raw.back() = true;
+      arrivals[q] = b.add({.op = Step::Op::recv, .peer = leader + static_cast<int>(q), .message = 0, .range = bucket,
+                           .slot = slots[q]});
+    };
+    if (!codec.receives_at_use)
+      for (std::size_t q = 1; q < local_ranks; ++q) post_arrival(q);
+    for (std::size_t q = 1; q < local_ranks; ++q) {
+      if (codec.receives_at_use) post_arrival(q);
+      b.add({.op = Step::Op::decode_add, .range = bucket, .slot = slots[q], .after = arrivals[q]});
+    }
+    const std::uint32_t last_in_place = append_across(
+        out, log_depth.schedule(Group::world(machine, machines(group)), elements, codec), counterparts(group), 0, 2);
+    for (std::size_t q = 1; q < local_ranks; ++q)
+      b.add({.op = Step::Op::send, .peer = leader + static_cast<int>(q), .message = 1, .range = bucket,
+             .after = last_in_place});
     return out;
   }
 

@@ -27,7 +27,8 @@ for (shape, name, size), rows in sorted(runs.items()):
                     "exploration_of_50": [round((r["trials_us"] - r["trial_iterations"] * r["time_us"]) /
                                                 (50 * r["time_us"]), 4) for r in rows if "trials_us" in r],
                     "schedules": [r.get("schedule", r.get("topology", "")) +
-                                  (f" ({r['across']} across)" if r.get("across") else "") for r in rows]})
+                                  (f" ({'leader, ' if r.get('within') == 'leader' else ''}{r['across']} across)"
+                                   if r.get("across") else "") for r in rows]})
 (here / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 order = ["default", "ring", "recursive-doubling", "halving-doubling", "hierarchical", "openmpi-tuned", "openmpi-han"]
