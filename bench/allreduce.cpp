@@ -486,7 +486,7 @@ std::vector<Row> run_rank(X& transport, const Config& cfg, const Codec& codec) {
           std::span(&count, 1),
           [&](std::size_t, std::size_t k) { return tuned_topology.candidate_seconds(k, group, count, sizeof(float)); },
           [&](std::size_t, std::size_t k) {
-            return engine::scratch_elements(tuned_topology.candidate_schedule(k, group, count, codec_traits<Codec>()));
+            return engine::candidate_scratch(tuned_topology, k, group, count, codec_traits<Codec>());
           });
       for (;;) {
         pin(tuner.choice(0));

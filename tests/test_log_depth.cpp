@@ -646,6 +646,27 @@ TEST_SUITE("log-depth allreduce") {
     CHECK(logs[0].find("c1 2.000 ms, c2 3.500 ms -> c1") != std::string::npos);
   }
 
+  TEST_CASE("the scratch the tuner weighs a candidate by is the same on every rank") {
+    // A leader holds its machine's buckets, the others none; 3 machines fold onto 2 in the butterfly.
+    const topology::Auto<> chooser{.machines = {.ranks_per_machine = 4, .chunk_elements = 100}};
+    constexpr int n = 12;
+    for (std::size_t k = 0; k < topology::Auto<>::candidates; ++k)
+      for (bool identity : {true, false}) {
+        CAPTURE(chooser.candidate_name(k));
+        CAPTURE(identity);
+        const std::size_t weighed = engine::candidate_scratch(chooser, k, Group::world(0, n), 1000, {.identity = identity});
+        std::set<std::size_t> own;
+        for (int rank = 0; rank < n; ++rank) {
+          const Group group = Group::world(rank, n);
+          CHECK(engine::candidate_scratch(chooser, k, group, 1000, {.identity = identity}) == weighed);
+          own.insert(engine::scratch_elements(chooser.candidate_schedule(k, group, 1000, {.identity = identity})));
+        }
+        CHECK(weighed >= engine::scratch_elements(chooser.candidate_schedule(k, Group::world(0, n), 1000, {.identity = identity})));
+        if (k == static_cast<std::size_t>(topology::Auto<>::Choice::machines_leader_recursive_doubling))
+          CHECK(own.size() > 1);  // what made ranks try different candidates before
+      }
+  }
+
   TEST_CASE("ScheduleTuner: a candidate predicted at infinity is not offered: never tried, its scratch never asked") {
     // Auto's hierarchical candidates on a group of one machine. Candidate 1 is not offered; 0 and 2 are tried.
     const std::vector<std::size_t> elements{1000};
@@ -670,5 +691,19 @@ TEST_SUITE("log-depth allreduce") {
     });
     for (const auto& e : errors)
       if (e) FAIL(std::string(e->what()));
+    // A topology that offers nothing for a bucket is told so, the bucket named.
+    engine::ScheduleTuner tuner({}, 2);
+    const std::vector<std::size_t> two{10, 5000};
+    try {
+      tuner.plan(
+          two, [](std::size_t b, std::size_t) { return b == 1 ? std::numeric_limits<double>::infinity() : 1.0; },
+          [](std::size_t, std::size_t) { return std::size_t{0}; });
+      FAIL("no Error");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::invalid_argument);
+      CHECK(e.context().bucket == std::optional<std::uint32_t>(1));
+      CHECK(e.context().operation == "schedule tuning");
+      CHECK(std::string(e.what()).find("5000 values") != std::string::npos);
+    }
   }
 }

@@ -349,7 +349,7 @@ class Synchronizer {
             return topology_.candidate_seconds(k, group_, elements[b], size_of(shapes[b].dtype));
           },
           [&](std::size_t b, std::size_t k) {
-            return engine::scratch_elements(topology_.candidate_schedule(k, group_, elements[b], traits));
+            return engine::candidate_scratch(topology_, k, group_, elements[b], traits);
           });
     }
   }

@@ -52,7 +52,6 @@
 #include <limits>
 #include <numeric>
 #include <span>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,6 +59,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/engine/control.hpp"
+#include "gradsync/error.hpp"
 #include "gradsync/engine/cost_model.hpp"
 
 namespace gradsync::engine {
@@ -67,6 +67,28 @@ namespace gradsync::engine {
 // The values a schedule's slots hold in all (its scratch, beside the bucket).
 inline std::size_t scratch_elements(const Schedule& schedule) {
   return std::accumulate(schedule.slot_elements.begin(), schedule.slot_elements.end(), std::size_t{0});
+}
+
+// The scratch the tuner weighs candidate k of `topology` by, for a bucket of `elements` values: the
+// most of group ranks 0, 1 and n-1 hold, the same on every rank. Not this rank's own: ranks'
+// scratch differs (a hierarchical leader holds its machine's buckets and the others none; a rank
+// the butterfly's fold hands on holds one slot, a participant 2 log2(p)), and the scratch decides
+// which candidates are tried, so ranks weighing their own would try different schedules and wait
+// for messages that never come. The three are a leader, the fold's first participant with its
+// partner's slot, and a participant the fold leaves alone; some rank elsewhere may hold more (a
+// leader the fold pairs with another machine's: twice as much on 3 machines of 4), which the
+// filter, a guard against the hopeless rather than a memory limit, accepts for not building every
+// rank's schedule.
+template <class Topology>
+std::size_t candidate_scratch(const Topology& topology, std::size_t k, const Group& group, std::size_t elements,
+                              CodecTraits codec) {
+  std::size_t most = 0;
+  Group as = group;
+  for (int rank : {0, std::min(1, group.size() - 1), group.size() - 1}) {
+    as.rank = rank;
+    most = std::max(most, scratch_elements(topology.candidate_schedule(k, as, elements, codec)));
+  }
+  return most;
 }
 
 struct TunerSettings {
@@ -86,8 +108,9 @@ class ScheduleTuner {
 
   // A new plan of buckets with these value counts; `predicted(bucket, candidate)` is the prior's
   // time for that bucket on that candidate (the same on every rank; infinite: not offered for this
-  // group, never tried), `scratch(bucket, candidate)` the values its schedule's slots hold (asked
-  // only of candidates offered). Every class starts over.
+  // group, never tried), `scratch(bucket, candidate)` the values its schedule's slots hold (the
+  // same on every rank: candidate_scratch; asked only of candidates offered). Every class starts
+  // over.
   void plan(std::span<const std::size_t> bucket_elements,
             const std::function<double(std::size_t bucket, std::size_t candidate)>& predicted,
             const std::function<std::size_t(std::size_t bucket, std::size_t candidate)>& scratch) {
@@ -127,8 +150,15 @@ class ScheduleTuner {
       c.order.clear();
       for (std::size_t k = 0; k < candidates_; ++k)
         if (offered(k) && c.scratch[k] <= allowed) c.order.push_back(k);
-      if (c.order.empty())
-        throw std::invalid_argument("ScheduleTuner: no candidate is offered for a bucket (every prediction infinite)");
+      if (c.order.empty()) {
+        const auto index = static_cast<std::uint32_t>(&c - classes_.data());
+        const auto first = static_cast<std::size_t>(std::find(bucket_class_.begin(), bucket_class_.end(), index) -
+                                                    bucket_class_.begin());
+        throw Error(ErrorKind::invalid_argument, {.bucket = static_cast<std::uint32_t>(first), .operation = "schedule tuning"},
+                    fmt::format("the topology offers no candidate for a bucket of {} values (every prediction is "
+                                "infinite)",
+                                bucket_elements[first]));
+      }
       std::stable_sort(c.order.begin(), c.order.end(), [&](std::size_t a, std::size_t b) { return c.predicted[a] < c.predicted[b]; });
       const double best = c.predicted[c.order.front()];
       while (c.order.size() > 1 && c.predicted[c.order.back()] > settings_.explore_within * best) c.order.pop_back();
