@@ -43,7 +43,7 @@ gradsync() {  # NAME [ARGS...]
     timeout 1200 tools/gradsync-run -n "$ranks" "${run[@]}" --local-transport tcp
   else
     RANKS_PER_HOST=$per_host timeout 1200 "$netcluster" run "$hosts" "${run[@]}"
-  fi 2>&1 | grep -E "^\[0\]  |rror"
+  fi 2>&1 | grep -E "^\[0\]  |rror|gradsync: rank"
 }
 openmpi() {  # NAME [MCA OPTIONS...]
   local name=$1
