@@ -207,8 +207,9 @@ concept LinkAwareTopology = TopologyPolicy<T> && requires(T t, LinkModel link) {
 };
 
 // TunedTopology: a link-aware topology that offers each bucket several candidate schedules
-// (topology::Auto; topology::Hierarchical's schedules across machines) and lets the Synchronizer
-// keep the one that runs fastest, by the exchanges' measured times (engine::ScheduleTuner):
+// (topology::Auto; topology::Hierarchical's arrangements within and across machines) and lets
+// the Synchronizer keep the one that runs fastest, by the exchanges' measured times
+// (engine::ScheduleTuner):
 // `candidates` of them, numbered from 0, each with its schedule, its predicted time over the
 // topology's own (measured) links, the prior that orders the trials, infinite for one not offered
 // on this group, and its name for the log; tunes() says whether to (not where the user pinned one).
